@@ -1,0 +1,40 @@
+# One command to run the daemon, one to test it. Both build .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck imports unit venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: any other version downloads several GB.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## run: the daemon in the foreground with the embedded default (an shm pool); ARGS="--config config/kvd.toml"
+run: $(STAMP)
+	$(BIN)/kvd $(ARGS)
+
+## test: lint, type checks, import rules, then the whole test suite (no GPU needed)
+test: lint typecheck imports unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvd client tests bench examples
+	$(BIN)/ruff format --check kvd client tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
+unit: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,923 @@
+"""The wire contract between kvd and its clients.
+
+Every message is a ZeroMQ multipart message (the daemon's ROUTER adds the
+peer's routing id in front, which this module never sees)::
+
+    frame 0   one byte: the message kind (`Kind`)
+    frame 1   msgpack body: a map, decoded by the kind's own typed decoder
+    frame 2.. extra binary frames: token ids as little-endian int32 bytes
+
+Requests carry an ``id`` chosen by the client; every reply repeats it. A
+reply is `Kind.OK` with a ``r`` result map, or `Kind.ERROR` with a stable
+``code`` (`Code`) and a human ``msg``. The daemon may also push
+`Kind.NOTICE` messages (pressure notifications) with ``id`` 0.
+
+Nothing here is ever pickled and no message names a method to call: each
+kind maps to one dataclass, decoded field by field with type and size
+checks, so a malformed frame becomes a `ProtocolError` with a code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, TypeVar, Union
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "MAX_BATCH_OPS",
+    "MAX_FRAMES",
+    "MAX_MESSAGE_BYTES",
+    "MAX_NAME_LEN",
+    "MAX_TOKENS",
+    "PROTOCOL_VERSION",
+    "REQUESTS",
+    "RESULTS",
+    "Allocate",
+    "AllocateResult",
+    "Append",
+    "AppendResult",
+    "Batch",
+    "BatchResult",
+    "CanAllocate",
+    "CanAllocateResult",
+    "Check",
+    "CheckResult",
+    "Clients",
+    "Code",
+    "Commit",
+    "CommitResult",
+    "Empty",
+    "ErrorReply",
+    "Flush",
+    "FlushResult",
+    "Fork",
+    "ForkResult",
+    "Free",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "HelloResult",
+    "Info",
+    "InfoResult",
+    "Kind",
+    "Message",
+    "Notice",
+    "OkReply",
+    "OpResult",
+    "Pin",
+    "PinResult",
+    "Ping",
+    "PingResult",
+    "Pools",
+    "ProtocolError",
+    "Request",
+    "Stats",
+    "Truncate",
+    "TruncateResult",
+    "Unpin",
+    "blocks_from_bytes",
+    "blocks_to_bytes",
+    "decode_batch_op",
+    "decode_reply",
+    "decode_request",
+    "encode_batch",
+    "encode_error",
+    "encode_notice",
+    "encode_ok",
+    "tokens_from_bytes",
+    "tokens_to_bytes",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+#: A message (all frames together) larger than this is refused with TOO_LARGE.
+#: The daemon sets ZMQ_MAXMSGSIZE above it so that zmq never drops silently.
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+#: Most tokens in one token frame (16 Mi tokens of int32 = 64 MiB).
+MAX_TOKENS: Final = MAX_MESSAGE_BYTES // 4
+#: Most operations in one batch.
+MAX_BATCH_OPS: Final = 4096
+#: Most frames in one message (kind + body + extras).
+MAX_FRAMES: Final = MAX_BATCH_OPS + 2
+#: Longest sequence id, client name, namespace, pool name or adapter name.
+MAX_NAME_LEN: Final = 256
+
+_INT64_MIN: Final = -(2**63)
+_UINT64_MAX: Final = 2**64 - 1
+
+
+class Kind(enum.IntEnum):
+    """The one-byte message kind in frame 0."""
+
+    HELLO = 0x01
+    HEARTBEAT = 0x02
+    GOODBYE = 0x03
+    ALLOCATE = 0x10
+    COMMIT = 0x11
+    APPEND = 0x12
+    FORK = 0x13
+    TRUNCATE = 0x14
+    FREE = 0x15
+    PIN = 0x16
+    UNPIN = 0x17
+    CAN_ALLOCATE = 0x18
+    BATCH = 0x1F
+    STATS = 0x20
+    CHECK = 0x21
+    FLUSH = 0x22
+    CLIENTS = 0x23
+    POOLS = 0x24
+    PING = 0x25
+    OK = 0x80
+    ERROR = 0x81
+    NOTICE = 0x82
+
+
+class Code(enum.StrEnum):
+    """Stable error codes: one per condition, counted per code in stats."""
+
+    #: The pool cannot serve the blocks (or the reservation) now; nothing changed.
+    OUT_OF_BLOCKS = "OUT_OF_BLOCKS"
+    #: The session's or namespace's hard quota would be exceeded; nothing changed.
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    #: The sequence, pin or pool does not exist (or belongs to another session).
+    NOT_FOUND = "NOT_FOUND"
+    #: A sequence with that id already exists in this session.
+    EXISTS = "EXISTS"
+    #: A field is missing, of the wrong type, or out of range.
+    INVALID = "INVALID"
+    #: The message or a list in it is larger than the daemon accepts.
+    TOO_LARGE = "TOO_LARGE"
+    #: Frame 0 is not a known request kind.
+    UNKNOWN_KIND = "UNKNOWN_KIND"
+    #: The client speaks another protocol version.
+    VERSION = "VERSION"
+    #: The client's expected pool layout or hash seed differs from the daemon's.
+    MISMATCH = "MISMATCH"
+    #: No session for this connection: the daemon restarted, the lease
+    #: expired, or no hello was sent. Old sequences are gone; re-attach.
+    SESSION_LOST = "SESSION_LOST"
+    #: The operation is not allowed for this session (namespace, admin op).
+    FORBIDDEN = "FORBIDDEN"
+    #: The session sends faster than its configured request rate.
+    RATE_LIMITED = "RATE_LIMITED"
+    #: The daemon is overloaded; retry later.
+    BUSY = "BUSY"
+    #: The daemon is draining for shutdown; no new work is accepted.
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    #: A bug in the daemon: the request was rolled back and logged.
+    INTERNAL = "INTERNAL"
+
+
+class ProtocolError(Exception):
+    """A message could not be decoded; carries the stable code for the reply."""
+
+    def __init__(self, code: Code, message: str, req_id: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.req_id = req_id
+
+
+# --------------------------------------------------------------------------
+# Binary payloads
+
+
+def tokens_to_bytes(tokens: npt.ArrayLike) -> bytes:
+    """Token ids as little-endian int32 bytes (the extra-frame form)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("token ids must be a 1-D sequence")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
+        raise ValueError("token ids must lie in [0, 2**31)")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def tokens_from_bytes(buf: bytes | memoryview) -> npt.NDArray[np.int32]:
+    """Decode a token frame; raises ProtocolError on a bad length or value."""
+    if len(buf) % 4:
+        raise ProtocolError(Code.INVALID, f"token frame of {len(buf)} bytes is not int32s")
+    if len(buf) // 4 > MAX_TOKENS:
+        raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_TOKENS} tokens in one frame")
+    arr = np.frombuffer(buf, dtype="<i4")
+    if arr.size and int(arr.min()) < 0:
+        raise ProtocolError(Code.INVALID, "negative token id")
+    return arr
+
+
+#: Block ids travel inside bodies as msgpack ``bin`` of little-endian int32.
+blocks_to_bytes = tokens_to_bytes
+
+
+def blocks_from_bytes(buf: bytes) -> npt.NDArray[np.int32]:
+    """Decode a block-id ``bin`` field (int32 LE)."""
+    return tokens_from_bytes(buf)
+
+
+# --------------------------------------------------------------------------
+# The typed field schema shared by every message
+
+
+class Tokens:
+    """Annotation marker: a field carried as an extra int32 frame.
+
+    In the body the field holds the index of its frame among the extras.
+    """
+
+
+class Blocks:
+    """Annotation marker: an int32 array carried as msgpack ``bin`` in the body."""
+
+
+_TokenArray = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    check: Any  # Callable[[Any, str], Any]
+    optional: bool
+    is_tokens: bool
+    default: Any
+
+
+def _fail(name: str, expected: str, value: object) -> typing.NoReturn:
+    raise ProtocolError(
+        Code.INVALID, f"field {name!r}: expected {expected}, got {type(value).__name__}"
+    )
+
+
+def _check_int(value: Any, name: str) -> int:
+    if type(value) is not int:
+        _fail(name, "an integer", value)
+    if not _INT64_MIN <= value <= _UINT64_MAX:
+        raise ProtocolError(Code.INVALID, f"field {name!r}: integer out of range")
+    return value
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if type(value) is not bool:
+        _fail(name, "a boolean", value)
+    return value
+
+
+def _check_str(value: Any, name: str) -> str:
+    if type(value) is not str:
+        _fail(name, "a string", value)
+    if len(value) > MAX_NAME_LEN:
+        raise ProtocolError(Code.TOO_LARGE, f"field {name!r}: longer than {MAX_NAME_LEN}")
+    return value
+
+
+def _check_map(value: Any, name: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        _fail(name, "a map", value)
+    return value
+
+
+def _check_list(value: Any, name: str) -> list[Any]:
+    if type(value) is not list:
+        _fail(name, "an array", value)
+    return value
+
+
+def _check_blocks(value: Any, name: str) -> _TokenArray:
+    if type(value) is not bytes:
+        _fail(name, "int32 bytes", value)
+    return blocks_from_bytes(value)
+
+
+_CHECKS: dict[Any, Any] = {
+    int: _check_int,
+    bool: _check_bool,
+    str: _check_str,
+    dict: _check_map,
+    list: _check_list,
+    Blocks: _check_blocks,
+}
+
+
+def _schema(cls: type[Message]) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    fields: list[_Field] = []
+    for f in dataclasses.fields(typing.cast(Any, cls)):
+        ann = hints[f.name]
+        optional = False
+        origin = typing.get_origin(ann)
+        if origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(ann))
+            (ann,) = args
+            origin = typing.get_origin(ann)
+        base = origin or ann
+        if base is np.ndarray or ann is Tokens:
+            fields.append(_Field(f.name, None, optional, True, None))
+            continue
+        if ann is Blocks:
+            base = Blocks
+        default: Any = None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        optional = optional or f.default is not dataclasses.MISSING
+        optional = optional or f.default_factory is not dataclasses.MISSING
+        fields.append(_Field(f.name, _CHECKS[base], optional, False, default))
+    return tuple(fields)
+
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every body type: encodes to a map, decodes with checks."""
+
+    __slots__ = ()
+    _FIELDS: ClassVar[tuple[_Field, ...]] = ()
+
+    def to_map(self, extras: list[bytes]) -> dict[str, Any]:
+        """The body map; token fields are appended to ``extras`` as frames."""
+        out: dict[str, Any] = {}
+        for f in type(self)._fields():
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.is_tokens:
+                out[f.name] = len(extras)
+                extras.append(tokens_to_bytes(value))
+            elif f.check is _check_blocks:
+                out[f.name] = blocks_to_bytes(value)
+            else:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_map(cls: type[M], body: Any, extras: Sequence[bytes]) -> M:
+        """Decode a body map; raises ProtocolError(INVALID/TOO_LARGE)."""
+        if type(body) is not dict:
+            raise ProtocolError(Code.INVALID, f"{cls.__name__} body must be a map")
+        kwargs: dict[str, Any] = {}
+        for f in cls._fields():
+            value = body.get(f.name)
+            if value is None:
+                if not f.optional:
+                    raise ProtocolError(Code.INVALID, f"field {f.name!r} is required")
+                kwargs[f.name] = f.default
+                continue
+            if f.is_tokens:
+                if type(value) is not int or not 0 <= value < len(extras):
+                    raise ProtocolError(Code.INVALID, f"field {f.name!r}: no extra frame {value!r}")
+                kwargs[f.name] = tokens_from_bytes(extras[value])
+            else:
+                kwargs[f.name] = f.check(value, f.name)
+        unknown = body.keys() - {f.name for f in cls._fields()}
+        if unknown:
+            raise ProtocolError(Code.INVALID, f"unknown fields {sorted(map(str, unknown))}")
+        return cls(**kwargs)
+
+    @classmethod
+    def _fields(cls) -> tuple[_Field, ...]:
+        schema = cls.__dict__.get("_schema_cache")
+        if schema is None:
+            schema = _schema(cls)
+            type.__setattr__(cls, "_schema_cache", schema)
+        return typing.cast(tuple[_Field, ...], schema)
+
+
+class Request(Message):
+    """A client → daemon message. ``KIND`` is its frame-0 byte."""
+
+    __slots__ = ()
+    KIND: ClassVar[Kind]
+    #: Request kinds that may appear inside a `Batch`.
+    BATCHABLE: ClassVar[bool] = False
+    #: Operator requests (stats, flush...) allowed before/without a hello.
+    ADMIN: ClassVar[bool] = False
+
+    def encode(self) -> list[bytes]:
+        """Frames for the wire: kind, body, extras."""
+        extras: list[bytes] = []
+        body = msgpack.packb(self.to_map(extras), use_bin_type=True)
+        return [bytes((self.KIND,)), body, *extras]
+
+
+def _req(kind: Kind, *, batchable: bool = False, admin: bool = False) -> Any:
+    """Class decorator: a frozen slotted dataclass registered under ``kind``."""
+
+    def wrap(cls: type[Request]) -> type[Request]:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.KIND = kind
+        cls.BATCHABLE = batchable
+        cls.ADMIN = admin
+        REQUESTS[kind] = cls
+        return cls
+
+    return wrap
+
+
+#: Every request kind's decoder. The daemon dispatches on this table only.
+REQUESTS: dict[int, type[Request]] = {}
+
+
+# --------------------------------------------------------------------------
+# Requests
+
+
+@_req(Kind.HELLO)
+class Hello(Request):
+    """Open a session. ``layout`` and ``hash_seed``, when given, must match the pool."""
+
+    id: int
+    version: int
+    pool: str
+    name: str
+    pid: int
+    namespace: str = ""
+    adapter: str | None = None
+    layout: dict[str, Any] | None = None
+    hash_seed: str | None = None
+
+
+@_req(Kind.HEARTBEAT)
+class Heartbeat(Request):
+    """Renew the lease without doing anything else."""
+
+    id: int
+
+
+@_req(Kind.GOODBYE)
+class Goodbye(Request):
+    """Close the session: its sequences are freed and its pins released."""
+
+    id: int
+
+
+@_req(Kind.ALLOCATE, batchable=True)
+class Allocate(Request):
+    """Match the longest cached prefix, allocate the rest, reserve room to ``reserve`` tokens."""
+
+    id: int
+    seq: str
+    tokens: npt.NDArray[np.int32]
+    reserve: int | None = None
+
+
+@_req(Kind.COMMIT, batchable=True)
+class Commit(Request):
+    """The first ``n`` tokens (all when omitted) are written; full blocks become cached."""
+
+    id: int
+    seq: str
+    n: int | None = None
+
+
+@_req(Kind.APPEND, batchable=True)
+class Append(Request):
+    """Grow the sequence by ``tokens``; may answer copy-on-write copies."""
+
+    id: int
+    seq: str
+    tokens: npt.NDArray[np.int32]
+
+
+@_req(Kind.FORK, batchable=True)
+class Fork(Request):
+    """Share every block of ``seq`` with a new sequence ``child``."""
+
+    id: int
+    seq: str
+    child: str
+    reserve: int | None = None
+
+
+@_req(Kind.TRUNCATE, batchable=True)
+class Truncate(Request):
+    """Keep the first ``n`` tokens (rolls back rejected speculative tokens)."""
+
+    id: int
+    seq: str
+    n: int
+
+
+@_req(Kind.FREE, batchable=True)
+class Free(Request):
+    """Release the sequence; its committed full blocks stay cached."""
+
+    id: int
+    seq: str
+
+
+@_req(Kind.PIN, batchable=True)
+class Pin(Request):
+    """Pin the committed full blocks of the first ``n`` tokens (all committed when omitted)."""
+
+    id: int
+    seq: str
+    n: int | None = None
+
+
+@_req(Kind.UNPIN, batchable=True)
+class Unpin(Request):
+    """Release a pin made by this session."""
+
+    id: int
+    pin: int
+
+
+@_req(Kind.CAN_ALLOCATE, batchable=True)
+class CanAllocate(Request):
+    """Would an allocation of ``tokens`` tokens (reserving ``reserve``) be admitted now?"""
+
+    id: int
+    tokens: int
+    reserve: int | None = None
+
+
+@_req(Kind.BATCH)
+class Batch(Request):
+    """Many operations of one scheduler step in one round trip.
+
+    ``ops`` is a list of ``[kind, body]`` pairs of batchable kinds; token
+    fields index the message's extra frames. Operations run in order, each
+    on its own (a refused one does not undo the others); the reply lists
+    one result per operation.
+    """
+
+    id: int
+    ops: list[Any]
+
+
+@_req(Kind.STATS, admin=True)
+class Stats(Request):
+    """The daemon's statistics, by section (all sections when ``sections`` is omitted)."""
+
+    id: int
+    sections: list[Any] | None = None
+
+
+@_req(Kind.CHECK, admin=True)
+class Check(Request):
+    """Run the engine's invariant checks now."""
+
+    id: int
+
+
+@_req(Kind.FLUSH, admin=True)
+class Flush(Request):
+    """Drop every evictable cached block (of ``namespace`` when given) and bump the epoch."""
+
+    id: int
+    namespace: str | None = None
+
+
+@_req(Kind.CLIENTS, admin=True)
+class Clients(Request):
+    """The connected sessions."""
+
+    id: int
+
+
+@_req(Kind.POOLS, admin=True)
+class Pools(Request):
+    """The pools, their layouts and usage."""
+
+    id: int
+
+
+@_req(Kind.PING, admin=True)
+class Ping(Request):
+    """Liveness: answers the daemon's epoch."""
+
+    id: int
+
+
+# --------------------------------------------------------------------------
+# Results (the ``r`` map of an OK reply)
+
+
+class Result(Message):
+    """Base of result bodies."""
+
+    __slots__ = ()
+
+
+def _res(cls: type[Result]) -> type[Result]:
+    return dataclass(frozen=True, slots=True)(cls)
+
+
+@_res
+class Empty(Result):
+    """A result with no fields (free, unpin, goodbye, heartbeat)."""
+
+
+@_res
+class HelloResult(Result):
+    """Session id, daemon epoch, the pool's layout and how to map its memory."""
+
+    session: int
+    epoch: int
+    pool: str
+    layout: dict[str, Any]
+    memory: dict[str, Any]
+    lease_ms: int
+    hash_seed: str
+    namespace: str
+    max_message_bytes: int
+
+
+@_res
+class AllocateResult(Result):
+    """``table``: the block ids; ``cached``: tokens served from the prefix cache."""
+
+    table: Blocks
+    cached: int
+    reserved: int
+
+
+@_res
+class CommitResult(Result):
+    """Tokens committed now, and how many blocks this call made cacheable."""
+
+    committed: int
+    cached_blocks: int
+
+
+@_res
+class AppendResult(Result):
+    """``table[start:] = blocks``; ``copies`` is flat ``[src, dst, ...]`` to copy first."""
+
+    start: int
+    blocks: Blocks
+    copies: Blocks
+    length: int
+
+
+@_res
+class ForkResult(Result):
+    """The child's block table (shared with the parent)."""
+
+    table: Blocks
+
+
+@_res
+class TruncateResult(Result):
+    """The sequence's new length and number of blocks (``table[:num_blocks]`` remains)."""
+
+    length: int
+    num_blocks: int
+
+
+@_res
+class PinResult(Result):
+    """The pin's id and how many blocks it holds."""
+
+    pin: int
+    blocks: int
+
+
+@_res
+class CanAllocateResult(Result):
+    """``ok``: admitted now; ``available``: blocks this session could take now."""
+
+    ok: bool
+    available: int
+
+
+@_res
+class FlushResult(Result):
+    """How many cached blocks were dropped."""
+
+    dropped: int
+
+
+@_res
+class CheckResult(Result):
+    """``ok`` when every invariant holds; ``problems`` lists violations."""
+
+    ok: bool
+    problems: list[Any]
+
+
+@_res
+class PingResult(Result):
+    """The daemon's epoch and protocol version."""
+
+    epoch: int
+    version: int
+
+
+@_res
+class InfoResult(Result):
+    """Free-form sections for operators (stats, clients, pools)."""
+
+    info: dict[str, Any]
+
+
+@_res
+class OpResult(Result):
+    """One operation's outcome inside a batch: ``r`` on success, else ``code``/``msg``."""
+
+    ok: bool
+    r: dict[str, Any] | None = None
+    code: str | None = None
+    msg: str | None = None
+
+
+@_res
+class BatchResult(Result):
+    """One `OpResult` map per operation, in order."""
+
+    results: list[Any]
+
+
+#: Request types whose result is free-form operator information.
+Info = InfoResult
+
+#: The result type of each request kind (for client-side decoding).
+RESULTS: dict[int, type[Result]] = {
+    Kind.HELLO: HelloResult,
+    Kind.HEARTBEAT: Empty,
+    Kind.GOODBYE: Empty,
+    Kind.ALLOCATE: AllocateResult,
+    Kind.COMMIT: CommitResult,
+    Kind.APPEND: AppendResult,
+    Kind.FORK: ForkResult,
+    Kind.TRUNCATE: TruncateResult,
+    Kind.FREE: Empty,
+    Kind.PIN: PinResult,
+    Kind.UNPIN: Empty,
+    Kind.CAN_ALLOCATE: CanAllocateResult,
+    Kind.BATCH: BatchResult,
+    Kind.STATS: InfoResult,
+    Kind.CHECK: CheckResult,
+    Kind.FLUSH: FlushResult,
+    Kind.CLIENTS: InfoResult,
+    Kind.POOLS: InfoResult,
+    Kind.PING: PingResult,
+}
+
+
+# --------------------------------------------------------------------------
+# Replies
+
+
+@dataclass(frozen=True, slots=True)
+class OkReply:
+    """A decoded OK reply: the raw result map (decode with ``RESULTS[kind]``)."""
+
+    id: int
+    result: dict[str, Any]
+    extras: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A decoded error reply."""
+
+    id: int | None
+    code: str
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A daemon push (``event`` e.g. ``"pressure"``) with free-form data."""
+
+    event: str
+    data: dict[str, Any]
+
+
+def encode_ok(req_id: int, result: Result | dict[str, Any]) -> list[bytes]:
+    """Frames of an OK reply."""
+    extras: list[bytes] = []
+    r = result if isinstance(result, dict) else result.to_map(extras)
+    return [bytes((Kind.OK,)), msgpack.packb({"id": req_id, "r": r}, use_bin_type=True), *extras]
+
+
+def encode_error(req_id: int | None, code: Code, msg: str) -> list[bytes]:
+    """Frames of an error reply."""
+    body = {"id": req_id, "code": str(code), "msg": msg}
+    return [bytes((Kind.ERROR,)), msgpack.packb(body, use_bin_type=True)]
+
+
+def encode_notice(event: str, data: dict[str, Any]) -> list[bytes]:
+    """Frames of a daemon push notification."""
+    body = {"id": 0, "event": event, "data": data}
+    return [bytes((Kind.NOTICE,)), msgpack.packb(body, use_bin_type=True)]
+
+
+def _unpack(body: bytes | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_MESSAGE_BYTES,
+            max_bin_len=MAX_MESSAGE_BYTES,
+            max_array_len=MAX_BATCH_OPS * 4,
+            max_map_len=4096,
+            max_ext_len=0,
+        )
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        RecursionError,
+    ) as exc:
+        raise ProtocolError(Code.INVALID, f"body is not valid msgpack: {exc}") from None
+
+
+def _peek_id(body: Any) -> int | None:
+    if type(body) is dict:
+        value = body.get("id")
+        if type(value) is int and 0 <= value <= _UINT64_MAX:
+            return value
+    return None
+
+
+def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
+    """Decode a client's frames (routing id already removed).
+
+    Raises ProtocolError carrying the request id when one could be read,
+    so that the daemon can still address its error reply.
+    """
+    if len(frames) < 2:
+        raise ProtocolError(Code.INVALID, "a message needs a kind frame and a body frame")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_FRAMES} frames")
+    kind_frame = frames[0]
+    if len(kind_frame) != 1:
+        raise ProtocolError(Code.INVALID, "frame 0 must be exactly one byte")
+    body = _unpack(frames[1])
+    req_id = _peek_id(body)
+    cls = REQUESTS.get(kind_frame[0])
+    if cls is None:
+        raise ProtocolError(Code.UNKNOWN_KIND, f"unknown kind 0x{kind_frame[0]:02x}", req_id)
+    try:
+        extras = [bytes(f) for f in frames[2:]]
+        return cls.from_map(body, extras)
+    except ProtocolError as exc:
+        exc.req_id = req_id
+        raise
+
+
+def decode_batch_op(op: Any, extras: Sequence[bytes]) -> Request:
+    """Decode one ``[kind, body]`` entry of a batch (must be batchable)."""
+    if type(op) is not list or len(op) != 2 or type(op[0]) is not int:
+        raise ProtocolError(Code.INVALID, "a batch op is [kind, body]")
+    cls = REQUESTS.get(op[0])
+    if cls is None:
+        raise ProtocolError(Code.UNKNOWN_KIND, f"unknown kind 0x{op[0]:02x}")
+    if not cls.BATCHABLE:
+        raise ProtocolError(Code.INVALID, f"{cls.__name__} cannot be batched")
+    return cls.from_map(op[1], extras)
+
+
+def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
+    """Frames of a batch request carrying ``ops`` (each batchable)."""
+    if len(ops) > MAX_BATCH_OPS:
+        raise ValueError(f"a batch holds at most {MAX_BATCH_OPS} operations")
+    extras: list[bytes] = []
+    entries = []
+    for op in ops:
+        if not op.BATCHABLE:
+            raise ValueError(f"{type(op).__name__} cannot be batched")
+        entries.append([int(op.KIND), op.to_map(extras)])
+    body = msgpack.packb({"id": req_id, "ops": entries}, use_bin_type=True)
+    return [bytes((Kind.BATCH,)), body, *extras]
+
+
+def decode_reply(frames: Sequence[bytes | memoryview]) -> OkReply | ErrorReply | Notice:
+    """Decode a daemon reply on the client side."""
+    if len(frames) < 2 or len(frames[0]) != 1:
+        raise ProtocolError(Code.INVALID, "malformed reply")
+    body = _unpack(frames[1])
+    if type(body) is not dict:
+        raise ProtocolError(Code.INVALID, "reply body must be a map")
+    kind = frames[0][0]
+    if kind == Kind.OK:
+        r = body.get("r")
+        rid = body.get("id")
+        if type(rid) is not int or type(r) is not dict:
+            raise ProtocolError(Code.INVALID, "malformed OK reply")
+        return OkReply(rid, r, [bytes(f) for f in frames[2:]])
+    if kind == Kind.ERROR:
+        return ErrorReply(_peek_id(body), str(body.get("code")), str(body.get("msg")))
+    if kind == Kind.NOTICE:
+        data = body.get("data")
+        return Notice(str(body.get("event")), data if type(data) is dict else {})
+    raise ProtocolError(Code.INVALID, f"unknown reply kind 0x{kind:02x}")
