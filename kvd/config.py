@@ -1,0 +1,456 @@
+"""The daemon's configuration: one frozen dataclass tree with a default for every key.
+
+Sources, later ones winning: the embedded defaults (the dataclass
+defaults below; ``config/kvd.toml`` documents them one for one), a TOML
+file, ``KVD_*`` environment variables, command-line overrides.
+
+Environment scheme: ``KVD_<SECTION>__<KEY>=value`` with ``__`` between
+path parts, e.g. ``KVD_SERVER__ADDRESS=ipc:///tmp/kvd.sock`` or
+``KVD_POOLS__0__NUM_BLOCKS=1024`` (list entries by index). A value is
+parsed as a TOML literal (``5000``, ``true``, ``[0.8, 0.9]``) unless the
+key is a string, which takes the text as is. Command-line ``--set
+server.lease_ms=3000`` uses dotted paths with the same parsing.
+
+Unknown keys and invalid values raise `ConfigError` naming the dotted key.
+The config is passed down explicitly; there is no global instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+from urllib.parse import urlsplit
+
+from kvd_client.layout import DTYPE_SIZES, PoolLayout
+
+from kvd.errors import ConfigError
+
+__all__ = [
+    "BACKENDS",
+    "AdmissionConfig",
+    "CacheConfig",
+    "Config",
+    "EventsConfig",
+    "LogConfig",
+    "MemoryConfig",
+    "MetricsConfig",
+    "NamespaceLimits",
+    "PoolConfig",
+    "ServerConfig",
+    "load_config",
+]
+
+#: Memory backends a pool may name (``cuda`` joins the registry later).
+BACKENDS: Final = ("shm", "cuda")
+_LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+_LOG_FORMATS: Final = ("auto", "json", "console")
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _check_endpoint(key: str, address: str, allow_public: bool) -> None:
+    """An endpoint is ``ipc://PATH`` or ``tcp://HOST:PORT`` on loopback unless allowed."""
+    if address.startswith("ipc://"):
+        _require(len(address) > len("ipc://"), key, "ipc:// needs a path")
+        return
+    _require(
+        address.startswith("tcp://"),
+        key,
+        f"expected ipc://PATH or tcp://HOST:PORT, got {address!r}",
+    )
+    parts = urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    _require(port is not None and parts.hostname is not None, key, f"bad tcp endpoint {address!r}")
+    host = typing.cast(str, parts.hostname)
+    loopback = host == "localhost"
+    if not loopback:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+    _require(
+        loopback or allow_public,
+        key,
+        f"{address!r} is not a loopback address (set server.allow_public_tcp = true to allow it)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The socket, sessions and shutdown."""
+
+    #: Main endpoint; "" means ``ipc://<runtime dir>/kvd.sock``.
+    address: str = ""
+    #: Optional second endpoint (``tcp://127.0.0.1:PORT``); "" for none.
+    tcp_address: str = ""
+    #: Allow a non-loopback tcp endpoint (there is no authentication on tcp).
+    allow_public_tcp: bool = False
+    #: Mode of the ipc socket file; the access control for every request.
+    socket_mode: int = 0o660
+    #: Mode of the runtime directory the daemon creates for its socket.
+    dir_mode: int = 0o770
+    #: A session's lease; renewed by any request, a heartbeat or a live pid.
+    lease_ms: int = 5000
+    #: How often the pids of same-host clients are checked.
+    pid_watch_ms: int = 200
+    #: Graceful shutdown budget: drain, close sessions, unlink, within this.
+    drain_timeout_s: float = 10.0
+    #: How long to wait for a PING answer from a daemon already at the address.
+    probe_timeout_ms: int = 300
+    #: ZeroMQ high-water marks (messages queued per peer).
+    rcvhwm: int = 10000
+    sndhwm: int = 10000
+    #: Most sessions at once; a hello beyond it gets BUSY. 0 = unlimited.
+    max_sessions: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.address:
+            _check_endpoint("address", self.address, self.allow_public_tcp)
+        if self.tcp_address:
+            _require(
+                self.tcp_address.startswith("tcp://"), "tcp_address", "must be tcp://HOST:PORT"
+            )
+            _check_endpoint("tcp_address", self.tcp_address, self.allow_public_tcp)
+        _require(0 <= self.socket_mode <= 0o777, "socket_mode", "must be a mode like 0o660")
+        _require(0 <= self.dir_mode <= 0o777, "dir_mode", "must be a mode like 0o770")
+        _require(self.lease_ms > 0, "lease_ms", "must be > 0")
+        _require(self.pid_watch_ms > 0, "pid_watch_ms", "must be > 0")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        _require(self.probe_timeout_ms > 0, "probe_timeout_ms", "must be > 0")
+        _require(self.rcvhwm >= 0, "rcvhwm", "must be >= 0 (0 = no limit)")
+        _require(self.sndhwm >= 0, "sndhwm", "must be >= 0 (0 = no limit)")
+        _require(self.max_sessions >= 0, "max_sessions", "must be >= 0 (0 = unlimited)")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The prefix cache."""
+
+    #: Seed of the block-hash chain (vLLM's default; must match routers' config).
+    hash_seed: str = "vllm-none-hash"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceLimits:
+    """Hard cap and guaranteed minimum of one namespace, in blocks (0 = none)."""
+
+    quota_blocks: int = 0
+    minimum_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.quota_blocks >= 0, "quota_blocks", "must be >= 0 (0 = no cap)")
+        _require(self.minimum_blocks >= 0, "minimum_blocks", "must be >= 0")
+        _require(
+            not self.quota_blocks or self.minimum_blocks <= self.quota_blocks,
+            "minimum_blocks",
+            "must not exceed quota_blocks",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Refuse before anything can run out of memory (applies to every pool)."""
+
+    #: Blocks kept free for the growth of running sequences.
+    watermark_blocks: int = 0
+    #: Hard cap per session (held + reserved + pinned blocks); 0 = none.
+    session_quota_blocks: int = 0
+    #: Usage fractions whose crossing pushes a pressure notice to clients.
+    pressure_thresholds: tuple[float, ...] = (0.8, 0.9, 0.95)
+    #: Per-namespace caps and minimums: ``[admission.namespaces.NAME]``.
+    namespaces: dict[str, NamespaceLimits] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.watermark_blocks >= 0, "watermark_blocks", "must be >= 0")
+        _require(self.session_quota_blocks >= 0, "session_quota_blocks", "must be >= 0")
+        th = self.pressure_thresholds
+        _require(
+            all(0 < t <= 1 for t in th) and list(th) == sorted(set(th)),
+            "pressure_thresholds",
+            "must be increasing fractions in (0, 1]",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """Node-wide memory settings."""
+
+    #: Bytes all pools together may take; a pool set above it is refused. 0 = unlimited.
+    budget_bytes: int = 0
+    #: Bytes every memory place (the shm tmpfs, a GPU) must keep free after the pools.
+    headroom_bytes: int = 0
+    #: Directory of shm pool files (a tmpfs).
+    shm_dir: str = "/dev/shm"  # noqa: S108 (the tmpfs itself, not a temp file)
+
+    def __post_init__(self) -> None:
+        _require(self.budget_bytes >= 0, "budget_bytes", "must be >= 0 (0 = unlimited)")
+        _require(self.headroom_bytes >= 0, "headroom_bytes", "must be >= 0")
+        _require(self.shm_dir.startswith("/"), "shm_dir", "must be an absolute path")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One pool: a model's KV geometry, its block count and where its bytes live."""
+
+    name: str = "default"
+    backend: str = "shm"
+    num_layers: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float16"
+    block_size: int = 16
+    num_blocks: int = 4096
+    order: Literal["layer_major", "block_major"] = "layer_major"
+    #: Touch every page at start so the first client write is not the slow one.
+    prefault: bool = True
+    #: Ask for transparent huge pages (MADV_HUGEPAGE) on the daemon's mapping.
+    hugepages: bool = False
+
+    def __post_init__(self) -> None:
+        _require(bool(_NAME_RE.match(self.name)), "name", "must match [A-Za-z0-9_.-]{1,64}")
+        _require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}")
+        _require(self.dtype in DTYPE_SIZES, "dtype", f"must be one of {sorted(DTYPE_SIZES)}")
+        _require(
+            self.order in ("layer_major", "block_major"),
+            "order",
+            "must be layer_major or block_major",
+        )
+        for key in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            _require(getattr(self, key) > 0, key, "must be > 0")
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's layout (the contract shared with clients)."""
+        return PoolLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            order=self.order,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Structured logs (configured by ``kvd.log``)."""
+
+    level: str = "info"
+    #: ``auto``: JSON when stderr is not a terminal, console otherwise.
+    format: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.level in _LOG_LEVELS, "level", f"must be one of {list(_LOG_LEVELS)}")
+        _require(self.format in _LOG_FORMATS, "format", f"must be one of {list(_LOG_FORMATS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Prometheus endpoint."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 9464
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "port", "must be in 1..65535")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events publisher (vLLM's format) for cluster routers."""
+
+    enabled: bool = False
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str = "tcp://127.0.0.1:5558"
+    #: Events kept for replay.
+    buffer: int = 10000
+
+    def __post_init__(self) -> None:
+        _require(self.buffer > 0, "buffer", "must be > 0")
+
+
+def _default_pools() -> tuple[PoolConfig, ...]:
+    return (PoolConfig(),)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    pools: tuple[PoolConfig, ...] = field(default_factory=_default_pools)
+    log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+
+    def __post_init__(self) -> None:
+        _require(len(self.pools) > 0, "pools", "at least one pool is needed")
+        seen: set[str] = set()
+        for i, pool in enumerate(self.pools):
+            _require(pool.name not in seen, f"pools[{i}].name", f"duplicate pool {pool.name!r}")
+            seen.add(pool.name)
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called ``name``; KeyError when there is none."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for ``kvd --print-config`` and stats)."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------
+# Loading
+
+
+class _Override(str):
+    """A value given as text (environment, command line): parsed by the key's type."""
+
+    __slots__ = ()
+
+
+T = TypeVar("T")
+
+
+def _parse_override(value: _Override, key: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(key, f"cannot parse {str(value)!r} as a TOML value") from None
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if isinstance(value, _Override) and tp is not str:
+        value = _parse_override(value, key)
+    if tp is bool:
+        _require(type(value) is bool, key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        _require(type(value) is int, key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        _require(type(value) in (int, float), key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str or origin is Literal:
+        _require(type(value) in (str, _Override), key, f"expected a string, got {value!r}")
+        return str(value)
+    if origin is tuple:
+        _require(type(value) in (list, tuple), key, f"expected an array, got {value!r}")
+        (item, _) = typing.get_args(tp)
+        return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        _require(type(value) is dict, key, f"expected a table, got {value!r}")
+        (_, item) = typing.get_args(tp)
+        return {str(k): _convert(item, v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        _require(type(value) is dict, key, f"expected a table, got {value!r}")
+        return _build(typing.cast(type[Any], tp), value, key)
+    raise AssertionError(f"no converter for {tp!r}")  # a new field type needs one
+
+
+def _build(cls: type[T], raw: Mapping[str, Any], prefix: str) -> T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(typing.cast(Any, cls))]
+    dot = f"{prefix}." if prefix else ""
+    for key in raw:
+        _require(key in names, f"{dot}{key}", "unknown key")
+    kwargs = {k: _convert(hints[k], raw[k], f"{dot}{k}") for k in names if k in raw}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{dot}{exc.key}" if exc.key else prefix, exc.message) from None
+
+
+def _set_path(raw: dict[str, Any], path: list[str], value: str, dotted: str) -> None:
+    node: Any = raw
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if type(node) is list:
+            _require(part.isdigit() and int(part) < len(node), dotted, f"no list entry {part!r}")
+            if last:
+                node[int(part)] = _Override(value)
+            else:
+                node = node[int(part)]
+            continue
+        _require(type(node) is dict, dotted, "is not a table")
+        if last:
+            node[part] = _Override(value)
+        else:
+            node = node.setdefault(part, {})
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Tables merge key by key; anything else (arrays of pools included) replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if type(value) is dict and type(out.get(key)) is dict:
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _raw(value: Any) -> Any:
+    """Defaults as TOML-shaped data (tuples become lists so overrides can index them)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _raw(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_raw(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _raw(v) for k, v in value.items()}
+    return value
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults, then the TOML file at ``path``, then ``KVD_*`` in ``env``, then ``overrides``.
+
+    ``env`` defaults to ``os.environ``; ``overrides`` maps dotted keys
+    (``server.lease_ms``) to text values. Raises ConfigError.
+    """
+    raw: dict[str, Any] = _raw(Config())
+    if path is not None:
+        try:
+            with Path(path).open("rb") as fh:
+                file_raw = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError("", f"cannot read {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
+        raw = _merge(raw, file_raw)
+    env = os.environ if env is None else env
+    for name in sorted(env):
+        if name.startswith("KVD_") and "__" in name:
+            parts = name[4:].lower().split("__")
+            _set_path(raw, parts, env[name], name)
+    for dotted, value in (overrides or {}).items():
+        _set_path(raw, dotted.split("."), value, dotted)
+    return _build(Config, raw, "")
