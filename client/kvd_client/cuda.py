@@ -1,0 +1,374 @@
+"""The client side of GPU pools: open a CUDA IPC handle, build torch views.
+
+The daemon allocates each cuda pool as its own device allocation and sends,
+in the hello reply, a memory map (`CudaMemoryMap`)::
+
+    {"backend": "cuda", "device": 0, "uuid": "GPU-…", "handle": <64 bytes>,
+     "offset": 0, "size": N}
+
+``device`` is the daemon's CUDA ordinal, for messages only: a client whose
+``CUDA_VISIBLE_DEVICES`` orders GPUs differently finds the same GPU by its
+``uuid``. A process opens each handle once (`attach` keeps a per-process
+table; CUDA refuses a second open in one process) and builds zero-copy torch
+views through ``__cuda_array_interface__``, with the same shapes as every
+other backend (`layer_views`).
+
+Ordering: the daemon hands a block to another process as soon as ``commit``
+or ``free`` returns, so the client must make sure its writes (and reads) of
+those blocks have finished first: `CudaPool.fence` before such a request.
+Copy-on-write copies (`copy_blocks`) run on the client's current stream,
+ahead of the writes that follow them there.
+
+torch and cupy are imported only when used: this module imports on a
+machine without them, and says how to install them when they are needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd_client.layout import PAGE, POOL_ALIGN, PoolLayout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BACKEND",
+    "HANDLE_BYTES",
+    "CudaMemoryMap",
+    "CudaPool",
+    "CudaUnavailableError",
+    "attach",
+    "copy_blocks",
+    "format_uuid",
+    "layer_views",
+    "load_cupy",
+    "load_torch",
+    "local_device",
+]
+
+#: ``memory["backend"]`` of a cuda pool.
+BACKEND: Final = "cuda"
+#: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``).
+HANDLE_BYTES: Final = 64
+
+_UUID_RE: Final = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_MAP_KEYS: Final = frozenset({"backend", "device", "uuid", "handle", "offset", "size"})
+
+
+class CudaUnavailableError(RuntimeError):
+    """cupy or torch (with CUDA) is missing, or no GPU is visible; says what to install."""
+
+
+def load_cupy() -> Any:
+    """The ``cupy`` module, or CudaUnavailableError saying how to install it."""
+    try:
+        import cupy  # noqa: PLC0415 (optional dependency, imported on use)
+    except ImportError:
+        raise CudaUnavailableError(
+            "cupy is not installed: pip install 'kvd[cuda]' (cupy-cuda13x)"
+        ) from None
+    return cupy
+
+
+def load_torch() -> Any:
+    """The ``torch`` module, or CudaUnavailableError saying how to install it."""
+    try:
+        import torch  # noqa: PLC0415 (optional dependency, imported on use)
+    except ImportError:
+        raise CudaUnavailableError("torch is not installed: pip install 'kvd[torch]'") from None
+    return torch
+
+
+def format_uuid(raw: bytes) -> str:
+    """A device's 16 UUID bytes (``cudaDeviceProp.uuid``) in NVML's ``GPU-…`` form."""
+    if type(raw) is not bytes or len(raw) != 16:
+        raise ValueError(f"a device UUID is 16 bytes, got {raw!r}")
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"cuda memory map: {key} {message}")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemoryMap:
+    """Where a cuda pool's bytes are: an IPC handle, and the pool's span in it.
+
+    ``offset`` and ``size`` delimit the pool inside the exported allocation;
+    ``device`` is the daemon's ordinal, ``uuid`` the GPU's identity.
+    """
+
+    device: int
+    uuid: str
+    handle: bytes
+    offset: int
+    size: int
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.device) and self.device >= 0, "device", "must be an ordinal >= 0")
+        _require(type(self.uuid) is str and bool(_UUID_RE.match(self.uuid)), "uuid", "is not GPU-…")
+        _require(
+            type(self.handle) is bytes and len(self.handle) == HANDLE_BYTES,
+            "handle",
+            f"must be {HANDLE_BYTES} bytes",
+        )
+        _require(
+            _is_int(self.offset) and self.offset >= 0 and self.offset % PAGE == 0,
+            "offset",
+            f"must be a multiple of {PAGE} >= 0",
+        )
+        _require(
+            _is_int(self.size) and self.size > 0 and self.size % POOL_ALIGN == 0,
+            "size",
+            f"must be a positive multiple of {POOL_ALIGN}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The msgpack-ready form (``handle`` packs as ``bin``)."""
+        return {
+            "backend": BACKEND,
+            "device": self.device,
+            "uuid": self.uuid,
+            "handle": self.handle,
+            "offset": self.offset,
+            "size": self.size,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], layout: PoolLayout | None = None) -> CudaMemoryMap:
+        """Parse a hello reply's memory map; ValueError names the bad key.
+
+        With ``layout``, also checks that the pool's span holds the layout.
+        """
+        _require(isinstance(d, Mapping), "", "must be a map")
+        _require(d.get("backend") == BACKEND, "backend", f"must be {BACKEND!r}")
+        missing = _MAP_KEYS - d.keys()
+        _require(not missing, ",".join(sorted(missing)), "missing")
+        unknown = d.keys() - _MAP_KEYS
+        _require(not unknown, ",".join(sorted(map(str, unknown))), "unknown")
+        mm = cls(
+            device=d["device"],
+            uuid=d["uuid"],
+            handle=d["handle"],
+            offset=d["offset"],
+            size=d["size"],
+        )
+        if layout is not None:
+            _require(
+                mm.size >= layout.total_bytes,
+                "size",
+                f"{mm.size} is smaller than the layout's {layout.total_bytes} bytes",
+            )
+        return mm
+
+
+def local_device(uuid: str) -> int:
+    """This process's CUDA ordinal of the GPU ``uuid`` (CUDA_VISIBLE_DEVICES may renumber)."""
+    runtime = load_cupy().cuda.runtime
+    count = int(runtime.getDeviceCount())
+    for index in range(count):
+        if format_uuid(bytes(runtime.getDeviceProperties(index)["uuid"])) == uuid:
+            return index
+    raise CudaUnavailableError(
+        f"GPU {uuid} is not visible in this process ({count} devices visible): "
+        "check CUDA_VISIBLE_DEVICES"
+    )
+
+
+def _close_ipc(cupy: Any, device: int, base: int) -> None:
+    try:
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.ipcCloseMemHandle(base)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        # The context is already gone (interpreter exit): the driver unmaps for us.
+        pass
+
+
+class _IpcMemory:
+    """One opened IPC handle in this process; unmapped when the last user drops it."""
+
+    def __init__(self, handle: bytes, device: int) -> None:
+        cupy = load_cupy()
+        with cupy.cuda.Device(device):
+            try:
+                self.base = int(cupy.cuda.runtime.ipcOpenMemHandle(handle))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise CudaUnavailableError(
+                    f"cannot open the pool's CUDA IPC handle on cuda:{device}: {exc} "
+                    "(a process cannot open a handle it exported itself)"
+                ) from None
+        self.device = device
+        finalizer = weakref.finalize(self, _close_ipc, cupy, device, self.base)
+        finalizer.atexit = False
+
+
+class _DeviceBytes:
+    """``__cuda_array_interface__`` of a byte span; keeps its mapping alive for torch."""
+
+    def __init__(self, memory: _IpcMemory, ptr: int, nbytes: int) -> None:
+        self.memory = memory
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+_OPENED: weakref.WeakValueDictionary[tuple[str, bytes], _IpcMemory] = weakref.WeakValueDictionary()
+_OPENED_LOCK: Final = threading.Lock()
+
+
+def _open(handle: bytes, device: int, uuid: str) -> _IpcMemory:
+    with _OPENED_LOCK:
+        memory = _OPENED.get((uuid, handle))
+        if memory is None:
+            memory = _IpcMemory(handle, device)
+            _OPENED[(uuid, handle)] = memory
+        return memory
+
+
+def layer_views(raw: torch.Tensor, layout: PoolLayout) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` view per layer.
+
+    ``raw`` is the pool's bytes as a 1-D uint8 tensor on any device (a cuda
+    pool's mapping, or any other backend's); views share its memory.
+    """
+    torch = load_torch()
+    if raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():
+        raise ValueError("the pool's bytes must be a contiguous 1-D uint8 tensor")
+    if raw.numel() < layout.used_bytes:
+        raise ValueError(f"{raw.numel()} bytes cannot hold the layout's {layout.used_bytes}")
+    item = layout.itemsize
+    typed = raw[: raw.numel() // item * item].view(getattr(torch, layout.dtype))
+    shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    strides = tuple(s // item for s in layout.layer_strides())
+    return [
+        torch.as_strided(typed, shape, strides, layout.layer_offset(layer) // item)
+        for layer in range(layout.num_layers)
+    ]
+
+
+class CudaPool:
+    """A cuda pool attached in this process: its bytes, its views, its fences."""
+
+    _raw: torch.Tensor
+    _layers: list[torch.Tensor]
+
+    def __init__(self, memory_map: CudaMemoryMap, layout: PoolLayout) -> None:
+        if memory_map.size < layout.total_bytes:
+            raise ValueError(
+                f"cuda memory map: size {memory_map.size} is smaller than the layout's "
+                f"{layout.total_bytes} bytes"
+            )
+        self.memory_map = memory_map
+        self.layout = layout
+        #: This process's ordinal of the pool's GPU.
+        self.device = local_device(memory_map.uuid)
+        memory = _open(memory_map.handle, self.device, memory_map.uuid)
+        #: Device address of the pool's first byte in this process.
+        self.ptr = memory.base + memory_map.offset
+        torch = load_torch()
+        cuda = torch.device("cuda", self.device)
+        self._raw = torch.as_tensor(_DeviceBytes(memory, self.ptr, memory_map.size), device=cuda)
+        if self._raw.data_ptr() != self.ptr:
+            raise CudaUnavailableError("torch copied the pool instead of viewing it")
+        self._layers = layer_views(self._raw, layout)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The pool's bytes: a 1-D uint8 tensor on the pool's GPU."""
+        return self._raw
+
+    def layers(self) -> list[torch.Tensor]:
+        """Per layer a ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` view."""
+        return list(self._layers)
+
+    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Wait until the work queued on ``stream`` (default: the current one) has finished.
+
+        Call before ``commit`` or ``free`` so that no other process is handed
+        blocks this one is still writing or reading.
+        """
+        torch = load_torch()
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        event = torch.cuda.Event()
+        event.record(stream)
+        event.synchronize()
+
+    def copy_blocks(self, pairs: npt.ArrayLike, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy-on-write: `copy_blocks` over this pool's layers."""
+        copy_blocks(self._layers, pairs, stream)
+
+
+def attach(memory: Mapping[str, Any], layout: PoolLayout) -> CudaPool:
+    """Open a hello reply's cuda memory map in this process (once per handle)."""
+    return CudaPool(CudaMemoryMap.from_dict(memory, layout), layout)
+
+
+def _pairs(pairs: npt.ArrayLike, num_blocks: int) -> npt.NDArray[np.int64]:
+    arr = np.asarray(pairs)
+    if arr.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    if arr.dtype.kind not in "iu" or arr.size % 2:
+        raise ValueError("copies are (src, dst) pairs of block ids")
+    arr = arr.astype(np.int64).reshape(-1, 2)
+    if int(arr.min()) < 0 or int(arr.max()) >= num_blocks:
+        raise ValueError(f"a block id of the copies lies outside [0, {num_blocks})")
+    dst = arr[:, 1]
+    if len(np.unique(dst)) != len(dst):
+        raise ValueError("two copies write the same block")
+    if np.isin(dst, arr[:, 0]).any():
+        raise ValueError("a copy writes a block another copy reads")
+    return arr
+
+
+def copy_blocks(
+    layers: Sequence[torch.Tensor],
+    pairs: npt.ArrayLike,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy block ``src`` to ``dst`` in every layer, K and V, for each pair.
+
+    ``pairs`` is ``[(src, dst), ...]`` or the flat ``[src, dst, ...]`` of an
+    append reply. On a GPU the copies are queued on ``stream`` (default: the
+    current stream), so later writes on that stream see them; nothing waits.
+    Raises ValueError (before copying anything) on ids out of range, a
+    block written twice, or a block both read and written.
+    """
+    if not layers:
+        return
+    torch = load_torch()
+    arr = _pairs(pairs, int(layers[0].shape[1]))
+    if not len(arr):
+        return
+    for layer in layers:
+        if layer.dim() != 5 or layer.shape[0] != 2 or layer.shape[1] != layers[0].shape[1]:
+            raise ValueError(f"not a pool layer view: shape {tuple(layer.shape)}")
+    device = layers[0].device
+    if any(layer.device != device for layer in layers):
+        raise ValueError("the layer views lie on different devices")
+    on_stream = torch.cuda.stream(stream) if device.type == "cuda" else contextlib.nullcontext()
+    with on_stream:
+        src = torch.from_numpy(arr[:, 0].copy()).to(device)
+        dst = torch.from_numpy(arr[:, 1].copy()).to(device)
+        for layer in layers:
+            layer[:, dst] = layer[:, src]
