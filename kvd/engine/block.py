@@ -1,0 +1,33 @@
+"""One physical KV block's metadata."""
+
+from __future__ import annotations
+
+__all__ = ["Block"]
+
+
+class Block:
+    """A fixed-size slot of ``block_size`` tokens in the pool (metadata only).
+
+    ``ref`` counts holders: each sequence whose table holds the block and
+    each pin. With ``ref == 0`` the block is *evictable* when it has a
+    ``key`` (it is in the prefix index and still matchable) and *free*
+    otherwise. ``index`` is the prefix-index dict that maps ``key`` to this
+    block (so eviction can unlink it without knowing the namespace).
+    ``prev``/``next`` link the block into the intrusive LRU queue while it
+    is evictable; they are meaningless otherwise.
+    """
+
+    __slots__ = ("block_id", "index", "key", "next", "pins", "prev", "ref")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref = 0
+        self.pins = 0
+        self.key: bytes | None = None
+        self.index: dict[bytes, Block] | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        key = self.key.hex()[:12] if self.key is not None else None
+        return f"Block({self.block_id}, ref={self.ref}, pins={self.pins}, key={key})"

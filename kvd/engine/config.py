@@ -1,0 +1,44 @@
+"""The engine's configuration: one pool's shape and admission policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvd.engine.errors import InvalidError
+from kvd.engine.hashing import DEFAULT_HASH_SEED
+
+__all__ = ["EngineConfig"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One pool's engine settings.
+
+    ``watermark_blocks`` blocks are kept for the growth of running
+    sequences: new allocations and forks may not dip into them, appends may.
+    ``events`` turns the event list off when nobody drains it.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    hash_seed: str = DEFAULT_HASH_SEED
+    watermark_blocks: int = 0
+    events: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_blocks) or self.num_blocks < 1:
+            raise InvalidError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise InvalidError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.hash_seed, str):
+            raise InvalidError(f"hash_seed must be a str, got {type(self.hash_seed).__name__}")
+        if not _is_int(self.watermark_blocks) or not 0 <= self.watermark_blocks <= self.num_blocks:
+            raise InvalidError(
+                f"watermark_blocks must be an int in [0, num_blocks], got {self.watermark_blocks!r}"
+            )
+        if not isinstance(self.events, bool):
+            raise InvalidError(f"events must be a bool, got {type(self.events).__name__}")

@@ -1,0 +1,90 @@
+"""The intrusive doubly linked queue that orders evictable blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from kvd.engine.block import Block
+
+__all__ = ["BlockQueue"]
+
+
+class BlockQueue:
+    """A doubly linked list threaded through `Block.prev`/`Block.next`.
+
+    O(1) append at the tail, removal from the middle and pop at the head,
+    with no allocation: the links live in the blocks themselves (like
+    vLLM's ``FreeKVCacheBlockQueue``). Two sentinels remove every edge
+    case from the link updates. The head is the next block to evict.
+    """
+
+    __slots__ = ("head", "size", "tail")
+
+    def __init__(self) -> None:
+        self.head = Block(-1)
+        self.tail = Block(-1)
+        self.head.next = self.tail
+        self.tail.prev = self.head
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, block: Block) -> None:
+        """Put ``block`` at the tail (evicted last)."""
+        tail = self.tail
+        last = tail.prev
+        assert last is not None
+        last.next = block
+        block.prev = last
+        block.next = tail
+        tail.prev = block
+        self.size += 1
+
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """Append ``blocks`` in order (the first is evicted first)."""
+        tail = self.tail
+        last = tail.prev
+        assert last is not None
+        n = 0
+        for block in blocks:
+            last.next = block
+            block.prev = last
+            last = block
+            n += 1
+        last.next = tail
+        tail.prev = last
+        self.size += n
+
+    def remove(self, block: Block) -> None:
+        """Unlink ``block``, which must be in this queue."""
+        prev = block.prev
+        nxt = block.next
+        assert prev is not None and nxt is not None
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self, n: int) -> list[Block]:
+        """Unlink and return the ``n`` blocks at the head (``n <= len(self)``)."""
+        head = self.head
+        out = []
+        block = head.next
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            block = block.next
+        assert block is not None
+        head.next = block
+        block.prev = head
+        self.size -= n
+        return out
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self.head.next
+        tail = self.tail
+        while block is not tail:
+            assert block is not None
+            yield block
+            block = block.next

@@ -1,0 +1,26 @@
+"""The prefix index of one namespace: block key -> cached block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvd.engine.block import Block
+
+__all__ = ["PrefixIndex"]
+
+
+class PrefixIndex(dict[bytes, Block]):
+    """Maps each cached block's key to the one block that holds it.
+
+    A plain dict underneath (lookups and inserts stay C calls). One block
+    per key: a block whose key is already present stays private.
+    """
+
+    __slots__ = ()
+
+    def match(self, keys: Sequence[bytes]) -> list[Block]:
+        """The blocks of the longest run of leading ``keys`` present."""
+        found = list(map(self.get, keys))
+        if None in found:
+            del found[found.index(None) :]
+        return found  # type: ignore[return-value]

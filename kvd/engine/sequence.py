@@ -1,0 +1,100 @@
+"""A sequence: a client's request, its tokens and its block table."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.engine.block import Block
+
+if TYPE_CHECKING:
+    from kvd.engine.namespace import Namespace
+    from kvd.engine.session import Session
+
+__all__ = ["Sequence"]
+
+
+class Sequence:
+    """A request's state (metadata only).
+
+    - ``tokens[:length]`` are its token ids, in a growing int32 buffer.
+    - ``table`` holds exactly ``ceil(length / block_size)`` blocks.
+    - ``committed`` tokens are written; ``num_cached`` leading full blocks
+      have been offered to the prefix cache (published, or left private as
+      duplicates or because the sequence predates a flush).
+    - ``keys[i]`` is the hash key of full block ``i``, computed lazily and
+      never twice; ``len(keys) >= num_cached``.
+    - ``epoch`` is its namespace's epoch at creation: after a flush bumps
+      the namespace's epoch the sequence never publishes again.
+    - ``reserve`` (tokens) and ``reserve_blocks = ceil(reserve / bs)`` are
+      the growth it was promised; ``cow`` says its partial last block may be
+      shared or cached (so growing needs a private copy first); ``out`` is
+      the number of blocks still held in reserve for it.
+    """
+
+    __slots__ = (
+        "committed",
+        "cow",
+        "epoch",
+        "keys",
+        "length",
+        "namespace",
+        "num_cached",
+        "out",
+        "reserve",
+        "reserve_blocks",
+        "seq_id",
+        "session",
+        "table",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        session: Session,
+        namespace: Namespace,
+        *,
+        tokens: npt.NDArray[np.int32],
+        length: int,
+        table: list[Block],
+        keys: list[bytes],
+        num_cached: int,
+        reserve: int,
+        reserve_blocks: int,
+        out: int,
+    ) -> None:
+        self.seq_id = seq_id
+        self.session = session
+        self.namespace = namespace
+        self.epoch = namespace.epoch
+        self.tokens = tokens
+        self.length = length
+        self.table = table
+        self.committed = 0
+        self.keys = keys
+        self.num_cached = num_cached
+        self.reserve = reserve
+        self.reserve_blocks = reserve_blocks
+        self.cow = False
+        self.out = out
+
+    def write(self, tokens: npt.NDArray[np.int32]) -> None:
+        """Append ``tokens`` to the buffer, doubling its capacity as needed."""
+        start = self.length
+        end = start + tokens.shape[0]
+        buf = self.tokens
+        if end > buf.shape[0]:
+            grown = np.empty(max(end, 2 * buf.shape[0], 64), dtype=np.int32)
+            grown[:start] = buf[:start]
+            self.tokens = buf = grown
+        buf[start:end] = tokens
+        self.length = end
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, length={self.length}, blocks={len(self.table)}, "
+            f"committed={self.committed}, reserve={self.reserve})"
+        )
