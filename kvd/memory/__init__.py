@@ -18,13 +18,22 @@ from kvd.errors import StartupError
 from kvd.memory import shm
 from kvd.memory.base import Capacity, PoolMemory
 
-__all__ = ["BACKENDS", "Capacity", "PoolMemory", "backend_capacity", "create_pool_memory"]
+__all__ = [
+    "BACKENDS",
+    "Capacity",
+    "PoolMemory",
+    "backend_capacity",
+    "create_pool_memory",
+    "remove_stale_segments",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class _Backend:
     create: Callable[..., PoolMemory]
     capacity: Callable[..., Capacity]
+    #: Removes a dead daemon instance's leftovers; returns what it removed.
+    remove_stale: Callable[..., list[str]]
     #: Option names each call accepts (others are dropped: e.g. shm_dir means nothing to cuda).
     create_opts: frozenset[str]
     capacity_opts: frozenset[str]
@@ -39,6 +48,7 @@ BACKENDS: dict[str, _Backend] = {
     "shm": _Backend(
         create=_shm_create,
         capacity=shm.capacity,
+        remove_stale=shm.remove_stale,
         create_opts=frozenset({"instance", "shm_dir", "prefault", "hugepages"}),
         capacity_opts=frozenset({"shm_dir"}),
     ),
@@ -64,3 +74,15 @@ def backend_capacity(backend: str, **opts: Any) -> Capacity:
     """Bytes ``backend`` could reserve now, and what limits it."""
     b = _backend(backend)
     return b.capacity(**{k: v for k, v in opts.items() if k in b.capacity_opts})
+
+
+def remove_stale_segments(instance: str, **opts: Any) -> list[str]:
+    """Remove every backend's leftovers of a dead daemon ``instance`` (no live daemon owns it)."""
+    removed: list[str] = []
+    for b in BACKENDS.values():
+        removed.extend(
+            b.remove_stale(
+                instance=instance, **{k: v for k, v in opts.items() if k in b.capacity_opts}
+            )
+        )
+    return removed

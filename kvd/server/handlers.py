@@ -1,0 +1,567 @@
+"""Requests in, replies out: decode, dispatch by kind, call the engine, encode.
+
+`Dispatcher.handle` takes one client message (frames after the routing id)
+and returns the reply frames; it never raises. Decoding is the wire
+contract's typed decoders (`kvd_client.protocol.decode_request`): no
+pickle, no method names on the wire; each kind maps to one handler in a
+table built at start.
+
+Outcomes and their replies:
+
+- `ProtocolError` (malformed frames, wrong types, sizes): its code, with
+  the request id when one could be read.
+- Engine `EngineError` (unknown sequence, duplicate id, bad argument): its
+  code; the engine raises before changing anything.
+- `Refusal` (OUT_OF_BLOCKS, QUOTA_EXCEEDED): its code, nothing changed.
+- Anything else is a daemon bug: INTERNAL, logged with its traceback. The
+  engine checks before it mutates, so no rollback is attempted here.
+
+Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session:
+the socket file's mode is the access control. Every other kind needs a
+session opened by HELLO on the same connection, else SESSION_LOST.
+
+Engine calls are microseconds and run inline on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import structlog
+from kvd_client import protocol as P
+from kvd_client.layout import PoolLayout
+
+import kvd
+from kvd.config import Config, PoolConfig
+from kvd.engine import Engine, Refusal
+from kvd.engine.errors import EngineError, InvariantError
+from kvd.engine.stats import EngineStats
+from kvd.memory import PoolMemory
+from kvd.server.sessions import PeerCred, Session, SessionTable
+from kvd.server.stats import RpcStats
+
+__all__ = ["DRAIN_REFUSED", "Dispatcher", "PoolRuntime", "RequestError"]
+
+log = structlog.get_logger("kvd.server")
+
+#: Kinds refused with SHUTTING_DOWN while draining: they start new work.
+#: Running sequences may still append, commit, truncate, free and unpin.
+DRAIN_REFUSED: Final = frozenset(
+    {P.Kind.HELLO, P.Kind.ALLOCATE, P.Kind.FORK, P.Kind.PIN, P.Kind.FLUSH}
+)
+
+
+class RequestError(Exception):
+    """A handler's refusal of a request (not a bug): replied with ``code``."""
+
+    def __init__(self, code: P.Code, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class PoolRuntime:
+    """One pool as the server holds it: its config, engine and memory."""
+
+    config: PoolConfig
+    engine: Engine
+    memory: PoolMemory
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return self.config.name
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's layout."""
+        return self.memory.layout
+
+
+@dataclass(slots=True)
+class _Ctx:
+    identity: bytes
+    peer: PeerCred | None
+    session: Session | None
+    extras: Sequence[bytes]
+
+
+_Outcome = P.Result | Refusal
+_Handler = Callable[[Any, _Ctx], _Outcome]
+
+
+def _blocks(ids: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int32]]:
+    return np.asarray(ids, dtype=np.int32)
+
+
+class Dispatcher:
+    """The daemon's request handling, independent of sockets and the event loop.
+
+    ``on_events`` receives each pool's engine events after every request
+    (None: the engines keep none); ``observe(kind, seconds)`` is told each
+    request's service time (the metrics histogram).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        pools: dict[str, PoolRuntime],
+        sessions: SessionTable,
+        *,
+        epoch: int,
+        addresses: Sequence[str],
+        on_events: Callable[[str, list[Any]], None] | None = None,
+        observe: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.pools = pools
+        self.sessions = sessions
+        self.epoch = epoch
+        self.addresses = list(addresses)
+        self.on_events = on_events
+        self.observe = observe
+        self.clock = clock
+        self.started = clock()
+        self.draining = False
+        self.rpc = RpcStats(clock=clock)
+        self.closed_sessions: Counter[str] = Counter()
+        self._table: dict[int, _Handler] = {
+            P.Kind.HELLO: self._hello,
+            P.Kind.HEARTBEAT: self._heartbeat,
+            P.Kind.GOODBYE: self._goodbye,
+            P.Kind.ALLOCATE: self._allocate,
+            P.Kind.COMMIT: self._commit,
+            P.Kind.APPEND: self._append,
+            P.Kind.FORK: self._fork,
+            P.Kind.TRUNCATE: self._truncate,
+            P.Kind.FREE: self._free,
+            P.Kind.PIN: self._pin,
+            P.Kind.UNPIN: self._unpin,
+            P.Kind.CAN_ALLOCATE: self._can_allocate,
+            P.Kind.BATCH: self._batch,
+            P.Kind.STATS: self._stats,
+            P.Kind.CHECK: self._check,
+            P.Kind.FLUSH: self._flush,
+            P.Kind.CLIENTS: self._clients,
+            P.Kind.POOLS: self._pools,
+            P.Kind.PING: self._ping,
+        }
+        missing = set(P.REQUESTS) - set(self._table)
+        if missing:  # a new request kind in the contract needs its handler
+            raise AssertionError(f"no handler for kinds {sorted(missing)}")
+
+    # ------------------------------------------------------------------
+    # Entry point
+
+    def handle(
+        self, identity: bytes, frames: Sequence[bytes], peer: PeerCred | None = None
+    ) -> list[bytes]:
+        """The reply frames (without routing id) for one message; never raises."""
+        t0 = time.perf_counter_ns()
+        kind_name = "invalid"
+        ops = 1
+        try:
+            if sum(len(f) for f in frames) > P.MAX_MESSAGE_BYTES:
+                raise P.ProtocolError(
+                    P.Code.TOO_LARGE, f"message larger than {P.MAX_MESSAGE_BYTES} bytes"
+                )
+            req = P.decode_request(frames)
+        except P.ProtocolError as exc:
+            self.rpc.error(exc.code)
+            self.rpc.record(kind_name, time.perf_counter_ns() - t0)
+            return P.encode_error(exc.req_id, exc.code, exc.message)
+        kind_name = req.KIND.name
+        req_id: int = getattr(req, "id", 0)
+        try:
+            ctx = _Ctx(identity, peer, None, frames[2:])
+            if not req.ADMIN and req.KIND != P.Kind.HELLO:
+                ctx.session = self.sessions.lookup(identity)
+                if ctx.session is None:
+                    raise RequestError(
+                        P.Code.SESSION_LOST,
+                        "no session for this connection (daemon restarted, lease expired, "
+                        "or no hello); old sequences are gone: send hello again",
+                    )
+            if isinstance(req, P.Batch):
+                ops = len(req.ops)
+            outcome = self._run(req, ctx)
+        except RequestError as exc:
+            reply = self._error(req_id, exc.code, exc.message)
+        else:
+            if isinstance(outcome, Refusal):
+                reply = self._error(req_id, P.Code(str(outcome.code)), outcome.message)
+            else:
+                reply = P.encode_ok(req_id, outcome)
+        elapsed = time.perf_counter_ns() - t0
+        self.rpc.record(kind_name, elapsed, ops)
+        if self.observe is not None:
+            self.observe(kind_name.lower(), elapsed / 1e9)
+        return reply
+
+    def _run(self, req: P.Request, ctx: _Ctx) -> _Outcome:
+        """One request (or batch op) through its handler; errors become RequestError."""
+        if self.draining and req.KIND in DRAIN_REFUSED:
+            raise RequestError(P.Code.SHUTTING_DOWN, "the daemon is shutting down")
+        try:
+            outcome = self._table[req.KIND](req, ctx)
+        except (RequestError, P.ProtocolError):
+            raise
+        except EngineError as exc:
+            raise RequestError(P.Code(str(exc.code)), exc.message) from None
+        except Exception:
+            log.exception("internal_error", kind=req.KIND.name)
+            raise RequestError(
+                P.Code.INTERNAL, "internal error (logged by the daemon); nothing was changed"
+            ) from None
+        finally:
+            if self.on_events is not None:
+                self._publish_events()
+        return outcome
+
+    def _error(self, req_id: int | None, code: P.Code, message: str) -> list[bytes]:
+        self.rpc.error(code)
+        return P.encode_error(req_id, code, message)
+
+    def _publish_events(self) -> None:
+        assert self.on_events is not None
+        for name, pool in self.pools.items():
+            events = pool.engine.drain_events()
+            if events:
+                self.on_events(name, events)
+
+    # ------------------------------------------------------------------
+    # Sessions
+
+    def _pool_of(self, session: Session | None) -> PoolRuntime:
+        assert session is not None  # guaranteed by handle() for non-admin kinds
+        return self.pools[session.pool]
+
+    def close_session(self, session: Session, reason: str) -> None:
+        """Close ``session`` in its engine (sequences freed, cached blocks kept) and forget it."""
+        self.sessions.remove(session)
+        self.pools[session.pool].engine.close_session(session.id)
+        self.closed_sessions[reason] += 1
+        if self.on_events is not None:
+            self._publish_events()
+        log.info(
+            "session_closed",
+            session=session.id,
+            client=session.name,
+            pid=session.pid,
+            pool=session.pool,
+            reason=reason,
+        )
+
+    def _hello(self, req: P.Hello, ctx: _Ctx) -> _Outcome:
+        if req.version != P.PROTOCOL_VERSION:
+            raise RequestError(
+                P.Code.VERSION,
+                f"client speaks protocol {req.version}, daemon speaks {P.PROTOCOL_VERSION}",
+            )
+        pool = self.pools.get(req.pool)
+        if pool is None:
+            raise RequestError(
+                P.Code.NOT_FOUND, f"no pool {req.pool!r} (have: {', '.join(sorted(self.pools))})"
+            )
+        if req.layout is not None:
+            try:
+                theirs = PoolLayout.from_dict(req.layout)
+            except (ValueError, TypeError) as exc:
+                raise RequestError(P.Code.INVALID, f"field 'layout': {exc}") from None
+            if theirs != pool.layout:
+                diff = {
+                    k: (v, pool.layout.to_dict()[k])
+                    for k, v in theirs.to_dict().items()
+                    if v != pool.layout.to_dict()[k]
+                }
+                raise RequestError(
+                    P.Code.MISMATCH, f"pool {req.pool!r} layout differs (yours, ours): {diff}"
+                )
+        if req.hash_seed is not None and req.hash_seed != self.config.cache.hash_seed:
+            raise RequestError(
+                P.Code.MISMATCH,
+                f"hash seed {req.hash_seed!r} differs from the daemon's "
+                f"{self.config.cache.hash_seed!r}",
+            )
+        previous = self.sessions.peek(ctx.identity)
+        limit = self.config.server.max_sessions
+        if previous is None and limit and len(self.sessions) >= limit:
+            raise RequestError(P.Code.BUSY, f"the daemon already serves {limit} sessions")
+        if previous is not None:
+            self.close_session(previous, "hello_again")
+        peer = ctx.peer
+        session = self.sessions.open(
+            ctx.identity,
+            pool=pool.name,
+            name=req.name,
+            pid=req.pid,
+            namespace=req.namespace,
+            adapter=req.adapter,
+            peer=peer,
+        )
+        quota = self.config.admission.session_quota_blocks or None
+        try:
+            pool.engine.open_session(
+                session.id, namespace=req.namespace, adapter=req.adapter, quota=quota, minimum=0
+            )
+        except BaseException:
+            self.sessions.remove(session)
+            raise
+        log.info(
+            "session_opened",
+            session=session.id,
+            client=req.name,
+            pid=req.pid,
+            peer_pid=peer.pid if peer else None,
+            pool=pool.name,
+            namespace=req.namespace,
+        )
+        if peer is not None and peer.pid != req.pid:
+            log.warning(
+                "hello_pid_differs",
+                session=session.id,
+                hello_pid=req.pid,
+                peer_pid=peer.pid,
+                note="watching the kernel's pid (another pid namespace?)",
+            )
+        return P.HelloResult(
+            session=session.id,
+            epoch=self.epoch,
+            pool=pool.name,
+            layout=pool.layout.to_dict(),
+            memory=pool.memory.handle(),
+            lease_ms=self.config.server.lease_ms,
+            hash_seed=self.config.cache.hash_seed,
+            namespace=req.namespace,
+            max_message_bytes=P.MAX_MESSAGE_BYTES,
+        )
+
+    def _heartbeat(self, req: P.Heartbeat, ctx: _Ctx) -> _Outcome:
+        return P.Empty()
+
+    def _goodbye(self, req: P.Goodbye, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        self.close_session(ctx.session, "goodbye")
+        return P.Empty()
+
+    # ------------------------------------------------------------------
+    # Sequences
+
+    def _allocate(self, req: P.Allocate, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        r = self._pool_of(ctx.session).engine.allocate(
+            ctx.session.id, req.seq, req.tokens, reserve=req.reserve
+        )
+        if isinstance(r, Refusal):
+            return r
+        return P.AllocateResult(
+            table=_blocks(r.table), cached=r.num_cached_tokens, reserved=r.reserved_blocks
+        )
+
+    def _commit(self, req: P.Commit, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        c = self._pool_of(ctx.session).engine.commit(ctx.session.id, req.seq, req.n)
+        return P.CommitResult(committed=c.committed, cached_blocks=c.cached_blocks)
+
+    def _append(self, req: P.Append, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        a = self._pool_of(ctx.session).engine.append(ctx.session.id, req.seq, req.tokens)
+        if isinstance(a, Refusal):
+            return a
+        flat = [b for pair in a.copies for b in pair]
+        return P.AppendResult(
+            start=a.start, blocks=_blocks(a.blocks), copies=_blocks(flat), length=a.length
+        )
+
+    def _fork(self, req: P.Fork, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        f = self._pool_of(ctx.session).engine.fork(
+            ctx.session.id, req.seq, req.child, reserve=req.reserve
+        )
+        if isinstance(f, Refusal):
+            return f
+        return P.ForkResult(table=_blocks(f.table))
+
+    def _truncate(self, req: P.Truncate, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        t = self._pool_of(ctx.session).engine.truncate(ctx.session.id, req.seq, req.n)
+        return P.TruncateResult(length=t.length, num_blocks=t.num_blocks)
+
+    def _free(self, req: P.Free, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        self._pool_of(ctx.session).engine.free(ctx.session.id, req.seq)
+        return P.Empty()
+
+    def _pin(self, req: P.Pin, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        p = self._pool_of(ctx.session).engine.pin(ctx.session.id, req.seq, req.n)
+        if isinstance(p, Refusal):
+            return p
+        return P.PinResult(pin=p.pin_id, blocks=p.blocks)
+
+    def _unpin(self, req: P.Unpin, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        self._pool_of(ctx.session).engine.unpin(ctx.session.id, req.pin)
+        return P.Empty()
+
+    def _can_allocate(self, req: P.CanAllocate, ctx: _Ctx) -> _Outcome:
+        assert ctx.session is not None
+        ok, available = self._pool_of(ctx.session).engine.can_allocate(
+            ctx.session.id, req.tokens, reserve=req.reserve
+        )
+        return P.CanAllocateResult(ok=ok, available=available)
+
+    def _batch(self, req: P.Batch, ctx: _Ctx) -> _Outcome:
+        if len(req.ops) > P.MAX_BATCH_OPS:
+            raise RequestError(P.Code.TOO_LARGE, f"more than {P.MAX_BATCH_OPS} operations")
+        results: list[dict[str, Any]] = []
+        for op in req.ops:
+            results.append(self._batch_op(op, ctx).to_map([]))
+        return P.BatchResult(results=results)
+
+    def _batch_op(self, op: Any, ctx: _Ctx) -> P.OpResult:
+        try:
+            sub = P.decode_batch_op(op, ctx.extras)
+            outcome = self._run(sub, ctx)
+        except (P.ProtocolError, RequestError) as exc:
+            self.rpc.error(exc.code)
+            return P.OpResult(ok=False, code=str(exc.code), msg=exc.message)
+        if isinstance(outcome, Refusal):
+            self.rpc.error(str(outcome.code))
+            return P.OpResult(ok=False, code=str(outcome.code), msg=outcome.message)
+        extras: list[bytes] = []
+        return P.OpResult(ok=True, r=outcome.to_map(extras))
+
+    # ------------------------------------------------------------------
+    # Admin
+
+    def _ping(self, req: P.Ping, ctx: _Ctx) -> _Outcome:
+        return P.PingResult(epoch=self.epoch, version=P.PROTOCOL_VERSION)
+
+    def _check(self, req: P.Check, ctx: _Ctx) -> _Outcome:
+        problems: list[str] = []
+        for name, pool in self.pools.items():
+            try:
+                pool.engine.check_invariants()
+            except InvariantError as exc:
+                problems.extend(f"{name}: {p}" for p in exc.problems)
+        if problems:
+            log.error("invariants_violated", problems=problems)
+        return P.CheckResult(ok=not problems, problems=problems)
+
+    def _flush(self, req: P.Flush, ctx: _Ctx) -> _Outcome:
+        dropped = sum(pool.engine.flush(req.namespace) for pool in self.pools.values())
+        log.info("flushed", namespace=req.namespace, dropped=dropped)
+        return P.FlushResult(dropped=dropped)
+
+    def _clients(self, req: P.Clients, ctx: _Ctx) -> _Outcome:
+        now = self.sessions.clock()
+        usage = {name: pool.engine.stats().session_usage for name, pool in self.pools.items()}
+        listing = [
+            s.info(now) | {"usage_blocks": usage[s.pool].get(s.id, 0)} for s in self.sessions
+        ]
+        return P.InfoResult(info={"sessions": listing})
+
+    def _pools(self, req: P.Pools, ctx: _Ctx) -> _Outcome:
+        info = {}
+        for name, pool in self.pools.items():
+            info[name] = {
+                "backend": pool.config.backend,
+                "layout": pool.layout.to_dict(),
+                "memory": pool.memory.info(),
+                "blocks": self._block_counts(pool.engine.stats()),
+                "sessions": sum(1 for s in self.sessions if s.pool == name),
+            }
+        return P.InfoResult(info={"pools": info})
+
+    def _stats(self, req: P.Stats, ctx: _Ctx) -> _Outcome:
+        sections = self.stats()
+        if req.sections is not None:
+            wanted = {str(s) for s in req.sections}
+            unknown = wanted - sections.keys()
+            if unknown:
+                raise RequestError(
+                    P.Code.INVALID,
+                    f"unknown stats sections {sorted(unknown)} (have: {', '.join(sections)})",
+                )
+            sections = {k: v for k, v in sections.items() if k in wanted}
+        return P.InfoResult(info=sections)
+
+    # ------------------------------------------------------------------
+    # Stats
+
+    @staticmethod
+    def _block_counts(stats: EngineStats) -> dict[str, int]:
+        return {
+            "free": stats.blocks_free,
+            "evictable": stats.blocks_evictable,
+            "in_use": stats.blocks_in_use,
+            "pinned": stats.blocks_pinned,
+            "reserved": stats.reserved,
+            "total": stats.blocks_total,
+        }
+
+    def in_flight(self) -> int:
+        """Sequences held by all sessions (what a graceful drain waits for)."""
+        return sum(pool.engine.stats().sequences for pool in self.pools.values())
+
+    def stats(self) -> dict[str, Any]:
+        """Every stats section (the STATS reply and kvd-ctl's source)."""
+        now = self.clock()
+        engine = {name: pool.engine.stats() for name, pool in self.pools.items()}
+        by_pool = Counter(s.pool for s in self.sessions)
+        refusals: Counter[str] = Counter()
+        for es in engine.values():
+            refusals.update(es.refusals)
+        return {
+            "server": {
+                "version": kvd.__version__,
+                "protocol": P.PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "epoch": self.epoch,
+                "uptime_s": round(now - self.started, 3),
+                "address": self.addresses[0],
+                "addresses": self.addresses,
+                "state": "draining" if self.draining else "serving",
+            },
+            "pools": {
+                name: {
+                    "backend": pool.config.backend,
+                    "num_blocks": pool.layout.num_blocks,
+                    "block_size": pool.layout.block_size,
+                    "bytes": pool.memory.size,
+                    "bytes_per_block": pool.layout.kv_bytes_per_block,
+                    "sequences": engine[name].sequences,
+                }
+                for name, pool in self.pools.items()
+            },
+            "blocks": {name: self._block_counts(es) for name, es in engine.items()},
+            "prefix": {
+                name: {
+                    "queries": es.prefix_queries,
+                    "query_tokens": es.query_tokens,
+                    "hit_tokens": es.hit_tokens,
+                    "hit_ratio": round(es.hit_ratio, 4),
+                    "evictions": es.evictions,
+                }
+                for name, es in engine.items()
+            },
+            "clients": {
+                "sessions": len(self.sessions),
+                "by_pool": {name: by_pool.get(name, 0) for name in self.pools},
+                "closed": dict(sorted(self.closed_sessions.items())),
+            },
+            "admission": {
+                "refusals": dict(sorted(refusals.items())),
+                "by_pool": {name: dict(sorted(es.refusals.items())) for name, es in engine.items()},
+            },
+            "rpc": self.rpc.section(),
+        }

@@ -1,0 +1,156 @@
+"""The ROUTER socket: where it lives, who else is there, how it is configured.
+
+Address: ``server.address`` or ``ipc://<runtime dir>/kvd.sock``, the
+runtime dir being ``$RUNTIME_DIRECTORY`` under systemd, ``/run/kvd`` for
+root, else ``$XDG_RUNTIME_DIR/kvd`` or ``/tmp/kvd-<uid>``.
+
+Binding an ipc path that another daemon serves silently steals it (the
+old daemon keeps an unreachable socket), so before binding, an existing
+socket file is PINGed: a live daemon's answer refuses the start; silence
+means the file is stale and it is unlinked. The socket file gets
+``socket_mode`` (0660) after bind, its directory ``dir_mode`` when the
+daemon creates it.
+
+Socket options: MAXMSGSIZE a little above the protocol's
+MAX_MESSAGE_BYTES, because libzmq drops a larger frame by closing the
+connection without a word; anything the decoder refuses below it gets a
+TOO_LARGE reply instead. ROUTER_MANDATORY stays off (a reply to a vanished
+peer is dropped, not an error), high-water marks from the config, LINGER 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+import msgpack
+import zmq
+from kvd_client import protocol as P
+
+from kvd.config import ServerConfig
+from kvd.errors import StartupError
+
+__all__ = [
+    "MAXMSGSIZE",
+    "bind_router",
+    "check_address",
+    "instance_id",
+    "ipc_path",
+    "probe_daemon",
+    "resolve_address",
+    "runtime_dir",
+]
+
+#: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
+MAXMSGSIZE: Final = P.MAX_MESSAGE_BYTES + 64 * 1024
+
+
+def runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
+    """Where the default socket lives (see the module docstring for the order)."""
+    env = os.environ if env is None else env
+    uid = os.getuid() if uid is None else uid
+    if env.get("RUNTIME_DIRECTORY"):
+        # systemd may list several directories separated by ':'; kvd asks for one.
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
+    if uid == 0:
+        return Path("/run/kvd")
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "kvd"
+    return Path(f"/tmp/kvd-{uid}")  # noqa: S108 (per-user dir, created 0700/0770 and checked)
+
+
+def resolve_address(config: ServerConfig, env: Mapping[str, str] | None = None) -> str:
+    """The main endpoint: the configured one or the default ipc socket."""
+    if config.address:
+        return config.address
+    return f"ipc://{runtime_dir(env) / 'kvd.sock'}"
+
+
+def ipc_path(address: str) -> Path | None:
+    """The socket file of an ``ipc://`` address (None for tcp)."""
+    if address.startswith("ipc://"):
+        return Path(address[len("ipc://") :])
+    return None
+
+
+def instance_id(address: str) -> str:
+    """A short stable id of the daemon serving ``address`` (names its shm segments)."""
+    return hashlib.sha256(address.encode()).hexdigest()[:12]
+
+
+def probe_daemon(ctx: zmq.Context[zmq.Socket[bytes]], address: str, timeout_ms: int) -> bool:
+    """Does a live kvd answer PING at ``address`` within ``timeout_ms``? Blocking."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    try:
+        sock.connect(address)
+        sock.send_multipart(P.Ping(id=1).encode(), zmq.NOBLOCK)
+        if not sock.poll(timeout_ms, zmq.POLLIN):
+            return False
+        frames = sock.recv_multipart()
+        return len(frames) >= 2 and type(msgpack.unpackb(frames[1])) is dict
+    except (zmq.ZMQError, ValueError, msgpack.UnpackException):
+        return False
+    finally:
+        sock.close(0)
+
+
+def _prepare_ipc(path: Path, config: ServerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Create the socket's directory, refuse a live daemon, remove a stale socket file."""
+    directory = path.parent
+    if not directory.exists():
+        try:
+            directory.mkdir(parents=True, mode=config.dir_mode)
+            os.chmod(directory, config.dir_mode)  # mkdir's mode is filtered by the umask
+        except OSError as exc:
+            raise StartupError(f"cannot create {directory}: {exc.strerror}") from None
+    if not path.exists() and not path.is_symlink():
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    if probe_daemon(ctx, f"ipc://{path}", config.probe_timeout_ms):
+        raise StartupError(f"another kvd is serving ipc://{path}; stop it first")
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def bind_router(
+    ctx: zmq.Context[zmq.Socket[bytes]], addresses: list[str], config: ServerConfig
+) -> zmq.Socket[bytes]:
+    """A configured ROUTER bound to every address; raises StartupError.
+
+    Call it only after `check_address` ran for each ipc address (which also
+    removes stale socket files). Blocking (bind is quick; the probe is not).
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, config.sndhwm)
+    try:
+        for address in addresses:
+            try:
+                sock.bind(address)
+            except zmq.ZMQError as exc:
+                raise StartupError(f"cannot bind {address}: {exc.strerror}") from None
+            path = ipc_path(address)
+            if path is not None:
+                os.chmod(path, config.socket_mode)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
+
+
+def check_address(address: str, config: ServerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Before binding: for ipc, make the directory, refuse a live daemon, unlink a stale file."""
+    path = ipc_path(address)
+    if path is not None:
+        _prepare_ipc(path, config, ctx)
