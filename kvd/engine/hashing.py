@@ -1,0 +1,300 @@
+"""vLLM-compatible block keys (``sha256_cbor``), many blocks per call.
+
+The key of block *i* of a sequence is::
+
+    sha256(cbor((key[i-1] or root, tuple(block_token_ids), extra_keys or None)))
+
+with canonical CBOR, and ``root = sha256(cbor(seed))`` for the configured
+seed (vLLM's ``DEFAULT_NONE_HASH_SEED``, ``"vllm-none-hash"``, unless the
+deployment sets another, as vLLM does with ``PYTHONHASHSEED``). With no extra
+keys this is byte for byte what vLLM computes with
+``--prefix-caching-hash-algo sha256_cbor``, so routers that index vLLM's KV
+events index kvd's. Event ids are the last 8 bytes of a key, big-endian
+(vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` form).
+
+Extra keys, as vLLM 0.33.0 builds them (``generate_block_hash_extra_keys`` in
+``vllm/v1/core/kv_cache_utils.py``, read from the released wheel): a tuple of
+tagged tuples, LoRA first, then multimodal, then the cache salt, then prompt
+embeds; ``None`` when there are none. The salt, ``("cache_salt", salt)``, goes
+on the block that starts at token 0 only; through the parent chain it still
+changes every later key. The LoRA entry, ``("lora", lora_name, lora_path)``,
+goes on every block. kvd maps onto that as follows:
+
+- ``namespace`` plays the role of ``cache_salt``: the empty namespace is "no
+  salt" (vLLM also treats an empty salt as none), so kvd's default keys equal
+  vLLM's; a non-empty namespace adds ``("cache_salt", namespace)`` to block 0.
+- ``adapter`` adds ``("lora", adapter, "")`` to every block. kvd knows an
+  adapter by name only (the wire carries no path), and vLLM requires a
+  non-empty ``lora_path``, so a LoRA block's key is never equal to vLLM's:
+  the entry keeps vLLM's shape, with an empty path, so that passing the real
+  path later changes only that field. The tags keep an adapter name from ever
+  colliding with a namespace (untagged, ``"x"`` as a LoRA name and ``"x"`` as
+  a salt gave the same block-0 key in earlier vLLM releases; vLLM issue #44701).
+- kvd has no multimodal inputs, prompt embeds or look-ahead tokens, so those
+  entries never appear.
+
+vLLM publishes extra keys in its KV events untagged (``to_event_extra_keys``:
+bare LoRA names and salts); that is the events' business, not the keys'.
+
+Speed: vLLM builds one Python tuple per block and CBOR-encodes it (about 2-3
+microseconds per block). Here the CBOR bytes of every block of a call are laid
+out by numpy at once; the per-block Python work is one SHA-256 over
+``header + parent + body``.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["DEFAULT_HASH_SEED", "KEY_SIZE", "BlockHasher", "event_id", "root_digest"]
+
+#: vLLM's default seed for the root digest (``DEFAULT_NONE_HASH_SEED``).
+DEFAULT_HASH_SEED: Final = "vllm-none-hash"
+#: Bytes in a key (a SHA-256 digest).
+KEY_SIZE: Final = 32
+# Token ids must be below this (CBOR's 4-byte unsigned form is the widest encoded).
+_TOKEN_LIMIT: Final = 2**32
+
+# CBOR major types.
+_TEXT: Final = 3
+_ARRAY: Final = 4
+# array(3) followed by the head of a 32-byte byte string: the start of every
+# block's encoding, before the parent key.
+_TRIPLE_HEAD: Final = b"\x83\x58\x20"
+_NULL: Final = b"\xf6"
+
+# Width classes of a CBOR unsigned int: < 24 (1 byte), < 2**8 (2), < 2**16 (3),
+# < 2**32 (5). Each token is first written right-aligned in a big-endian 8-byte
+# word, ``head << 8 * (width - 1) | value`` (a value below 24 is its own head),
+# then the unused leading bytes of the word are dropped.
+_CLASS_BOUNDS: Final = (24, 256, 65536)
+_CLASS_WIDTH: Final = (1, 2, 3, 5)
+_CLASS_HEAD: Final = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
+# Per class, which bytes of the word are kept: eight bools per class, stored
+# as one uint64 so that a take() by class yields the byte mask directly.
+_KEEP_BYTES: Final = np.arange(8) >= 8 - np.array(_CLASS_WIDTH)[:, None]
+_CLASS_KEEP: Final = _KEEP_BYTES.view(np.uint64).reshape(-1)
+# Blocks encoded per numpy pass: bounds the scratch memory of a huge call.
+_CHUNK_BLOCKS: Final = 4096
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """The CBOR head of major type ``major`` with argument ``n`` (shortest form)."""
+    if n < 24:
+        return bytes([major << 5 | n])
+    if n < 2**8:
+        return bytes([major << 5 | 24, n])
+    if n < 2**16:
+        return bytes([major << 5 | 25]) + n.to_bytes(2, "big")
+    if n < 2**32:
+        return bytes([major << 5 | 26]) + n.to_bytes(4, "big")
+    return bytes([major << 5 | 27]) + n.to_bytes(8, "big")
+
+
+def _cbor_text(s: str) -> bytes:
+    data = s.encode("utf-8")
+    return _cbor_head(_TEXT, len(data)) + data
+
+
+def _cbor_extras(entries: Sequence[tuple[str, ...]]) -> bytes:
+    """CBOR of ``tuple(entries)``, or of ``None`` when there are none (as vLLM)."""
+    if not entries:
+        return _NULL
+    out = [_cbor_head(_ARRAY, len(entries))]
+    for entry in entries:
+        out.append(_cbor_head(_ARRAY, len(entry)))
+        out.extend(_cbor_text(field) for field in entry)
+    return b"".join(out)
+
+
+def root_digest(seed: str = DEFAULT_HASH_SEED) -> bytes:
+    """SHA-256 of the canonical CBOR of ``seed``: the parent of every sequence's block 0."""
+    if not isinstance(seed, str):
+        raise ValueError(f"hash seed must be a str, got {type(seed).__name__}")
+    return hashlib.sha256(_cbor_text(seed)).digest()
+
+
+def event_id(key: bytes) -> int:
+    """The 64-bit form of a key in KV events: its last 8 bytes, big-endian, unsigned."""
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"a block key has {KEY_SIZE} bytes, got {len(key)}")
+    return int.from_bytes(key[-8:], "big")
+
+
+def _width_class(value: int) -> int:
+    """The CBOR width class of a non-negative value below 2**32."""
+    return sum(value >= bound for bound in _CLASS_BOUNDS)
+
+
+def _token_array(
+    tokens: npt.NDArray[np.integer] | Sequence[int],
+) -> tuple[npt.NDArray[np.uint32], int, int]:
+    """Validate token ids: the 1-D uint32 array of them, their least and greatest."""
+    if isinstance(tokens, list | tuple):
+        # array.array converts through __index__: floats and strings are refused,
+        # not truncated, and it is quicker than np.asarray on a list of ints.
+        try:
+            arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    else:
+        arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be a 1-D sequence, got {arr.ndim} dimensions")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.uint32), 0, 0
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise ValueError(f"token ids must be non-negative, got {lo}")
+    if hi >= _TOKEN_LIMIT:
+        raise ValueError(f"token ids must be below 2**32, got {hi}")
+    return arr.astype(np.uint32, copy=False), lo, hi
+
+
+class BlockHasher:
+    """Hashes full blocks of one pool (fixed ``block_size``) for one seed."""
+
+    __slots__ = ("_array_head", "block_size", "root")
+
+    root: bytes
+    block_size: int
+
+    def __init__(self, block_size: int, seed: str = DEFAULT_HASH_SEED) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.root = root_digest(seed)
+        self._array_head = np.frombuffer(_cbor_head(_ARRAY, block_size), dtype=np.uint8)
+
+    def keys(
+        self,
+        tokens: npt.NDArray[np.integer] | Sequence[int],
+        parent: bytes | None,
+        *,
+        first_block: int = 0,
+        namespace: str = "",
+        adapter: str | None = None,
+    ) -> list[bytes]:
+        """Keys of the ``len(tokens) // block_size`` full blocks of ``tokens``.
+
+        A trailing partial block is ignored. ``parent`` is the key of the block
+        before ``tokens[0]``; ``None`` means the root and is valid only when
+        ``first_block == 0``. ``first_block`` is the index of the first block
+        of ``tokens`` in its sequence: the namespace salt goes on block 0
+        only. Token ids must be non-negative and below 2**32. Raises
+        ValueError on bad input.
+        """
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise ValueError(f"first_block must be a non-negative int, got {first_block!r}")
+        if parent is None:
+            if first_block != 0:
+                raise ValueError(
+                    f"parent is required for first_block={first_block}: "
+                    "only block 0 descends from the root"
+                )
+            parent = self.root
+        elif not isinstance(parent, bytes) or len(parent) != KEY_SIZE:
+            raise ValueError(f"parent must be a {KEY_SIZE}-byte key or None, got {parent!r}")
+        if not isinstance(namespace, str):
+            raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
+        if adapter is not None and (not isinstance(adapter, str) or not adapter):
+            raise ValueError(f"adapter must be a non-empty str or None, got {adapter!r}")
+        arr, lo, hi = _token_array(tokens)
+
+        bs = self.block_size
+        num_blocks = arr.size // bs
+        if num_blocks == 0:
+            return []
+        blocks = arr[: num_blocks * bs].reshape(num_blocks, bs)
+        lora: list[tuple[str, ...]] = [] if adapter is None else [("lora", adapter, "")]
+        extras = _cbor_extras(lora)
+        # Block 0 alone carries the salt: it is hashed with its own extras.
+        block0_extras = (
+            _cbor_extras([*lora, ("cache_salt", namespace)])
+            if first_block == 0 and namespace
+            else None
+        )
+        # Bounds of the whole input: a partial tail can only make the test stricter.
+        uniform = _width_class(lo) if _width_class(lo) == _width_class(hi) else None
+
+        head = _TRIPLE_HEAD
+        sha256 = hashlib.sha256
+        out: list[bytes] = []
+        append = out.append
+        for first in range(0, num_blocks, _CHUNK_BLOCKS):
+            chunk = blocks[first : first + _CHUNK_BLOCKS]
+            data, ends = self._encode(chunk, extras, uniform)
+            start = 0
+            if first == 0 and block0_extras is not None:
+                end = ends[0]
+                body = data[: end - len(extras)]
+                parent = sha256(head + parent + body + block0_extras).digest()
+                append(parent)
+                start = end
+                ends = ends[1:]
+            for end in ends:
+                parent = sha256(head + parent + data[start:end]).digest()
+                append(parent)
+                start = end
+        return out
+
+    def _encode(
+        self, blocks: npt.NDArray[np.uint32], extras: bytes, uniform: int | None
+    ) -> tuple[bytes, Sequence[int]]:
+        """CBOR of ``(tokens, extras)`` of each block: everything after the parent key.
+
+        Returns the encodings of all blocks back to back and where each ends.
+        ``uniform`` is the width class of every token, when they share one.
+        """
+        num_blocks, bs = blocks.shape
+        head = self._array_head
+        hlen, elen = head.size, len(extras)
+        extras_row = np.frombuffer(extras, dtype=np.uint8)
+
+        if uniform is not None:
+            # One width for every token: fixed-stride rows, nothing to drop.
+            width = _CLASS_WIDTH[uniform]
+            stop = hlen + width * bs
+            stride = stop + elen
+            rows = np.empty((num_blocks, stride), dtype=np.uint8)
+            rows[:, :hlen] = head
+            rows[:, stop:] = extras_row
+            tok = rows[:, hlen:stop].reshape(num_blocks, bs, width)
+            if width == 1:
+                tok[:, :, 0] = blocks
+            else:
+                tok[:, :, 0] = 0x17 + uniform
+                value = blocks.astype(">u4").view(np.uint8).reshape(num_blocks, bs, 4)
+                tok[:, :, 1:] = value[:, :, 5 - width :]
+            total = num_blocks * stride
+            return rows.tobytes(), range(stride, total + 1, stride)
+
+        # Mixed widths: every token in an 8-byte word, then keep the used bytes.
+        flat = blocks.reshape(-1)
+        cls = (flat >= _CLASS_BOUNDS[0]).view(np.uint8) + (flat >= _CLASS_BOUNDS[1]).view(np.uint8)
+        cls += (flat >= _CLASS_BOUNDS[2]).view(np.uint8)
+        words = flat.astype(np.uint64)
+        words |= _CLASS_HEAD.take(cls)
+        stop = hlen + 8 * bs
+        stride = stop + elen
+        rows = np.empty((num_blocks, stride), dtype=np.uint8)
+        keep = np.empty((num_blocks, stride), dtype=bool)
+        rows[:, :hlen] = head
+        rows[:, stop:] = extras_row
+        rows[:, hlen:stop] = words.astype(">u8").view(np.uint8).reshape(num_blocks, 8 * bs)
+        keep[:, :hlen] = True
+        keep[:, stop:] = True
+        keep[:, hlen:stop] = _CLASS_KEEP.take(cls).view(bool).reshape(num_blocks, 8 * bs)
+        kept = np.flatnonzero(keep)
+        # A block's encoding ends where the kept bytes of the rows before it end.
+        row_ends = np.arange(stride, (num_blocks + 1) * stride, stride)
+        ends: list[int] = np.searchsorted(kept, row_ends).tolist()
+        return rows.reshape(-1).take(kept).tobytes(), ends
