@@ -8,19 +8,20 @@ in the hello reply, a memory map (`CudaMemoryMap`)::
 
 ``device`` is the daemon's CUDA ordinal, for messages only: a client whose
 ``CUDA_VISIBLE_DEVICES`` orders GPUs differently finds the same GPU by its
-``uuid``. A process opens each handle once (`attach` keeps a per-process
-table; CUDA refuses a second open in one process) and builds zero-copy torch
-views through ``__cuda_array_interface__``, with the same shapes as every
-other backend (`layer_views`).
+``uuid``. A process opens each handle once (CUDA refuses a second open in
+one process; every `CudaPool` of a handle shares it) and builds zero-copy
+torch views through ``__cuda_array_interface__``, with the same shapes as
+every other backend (`layer_views`, `block_view`).
 
-Ordering: the daemon hands a block to another process as soon as ``commit``
-or ``free`` returns, so the client must make sure its writes (and reads) of
-those blocks have finished first: `CudaPool.fence` before such a request.
-Copy-on-write copies (`copy_blocks`) run on the client's current stream,
-ahead of the writes that follow them there.
+Ordering: the daemon hands a block to another process as soon as
+``commit``, ``truncate`` or ``free`` returns, so the client must make sure
+its writes (and reads) of those blocks have finished first: `CudaPool.fence`
+before such a request. Copy-on-write copies (`copy_blocks`) are queued on
+the client's current stream, ahead of the writes that follow them there.
 
 torch and cupy are imported only when used: this module imports on a
 machine without them, and says how to install them when they are needed.
+Importing it registers the ``cuda`` backend with `kvd_client.pool`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.layout import PAGE, POOL_ALIGN, PoolLayout
+from kvd_client.pool import PoolMapping, register_backend
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +50,7 @@ __all__ = [
     "CudaMemoryMap",
     "CudaPool",
     "CudaUnavailableError",
-    "attach",
+    "block_view",
     "copy_blocks",
     "format_uuid",
     "layer_views",
@@ -65,8 +68,12 @@ _UUID_RE: Final = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 _MAP_KEYS: Final = frozenset({"backend", "device", "uuid", "handle", "offset", "size"})
 
 
-class CudaUnavailableError(RuntimeError):
-    """cupy or torch (with CUDA) is missing, or no GPU is visible; says what to install."""
+class CudaUnavailableError(LayoutMismatch):
+    """This process cannot map a cuda pool: cupy or torch missing, or the GPU not visible.
+
+    A `LayoutMismatch`, as for any backend a client cannot map; the message
+    says what to install or check.
+    """
 
 
 def load_cupy() -> Any:
@@ -111,7 +118,9 @@ class CudaMemoryMap:
     """Where a cuda pool's bytes are: an IPC handle, and the pool's span in it.
 
     ``offset`` and ``size`` delimit the pool inside the exported allocation;
-    ``device`` is the daemon's ordinal, ``uuid`` the GPU's identity.
+    ``device`` is the daemon's ordinal, ``uuid`` the GPU's identity. Built
+    by the daemon (`to_dict` is the hello reply's ``memory``) and parsed by
+    clients (`from_dict`): one definition for both sides.
     """
 
     device: int
@@ -151,31 +160,21 @@ class CudaMemoryMap:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], layout: PoolLayout | None = None) -> CudaMemoryMap:
-        """Parse a hello reply's memory map; ValueError names the bad key.
-
-        With ``layout``, also checks that the pool's span holds the layout.
-        """
+    def from_dict(cls, d: Mapping[str, Any]) -> CudaMemoryMap:
+        """Parse a hello reply's memory map; ValueError names the bad key."""
         _require(isinstance(d, Mapping), "", "must be a map")
         _require(d.get("backend") == BACKEND, "backend", f"must be {BACKEND!r}")
         missing = _MAP_KEYS - d.keys()
         _require(not missing, ",".join(sorted(missing)), "missing")
         unknown = d.keys() - _MAP_KEYS
         _require(not unknown, ",".join(sorted(map(str, unknown))), "unknown")
-        mm = cls(
+        return cls(
             device=d["device"],
             uuid=d["uuid"],
             handle=d["handle"],
             offset=d["offset"],
             size=d["size"],
         )
-        if layout is not None:
-            _require(
-                mm.size >= layout.total_bytes,
-                "size",
-                f"{mm.size} is smaller than the layout's {layout.total_bytes} bytes",
-            )
-        return mm
 
 
 def local_device(uuid: str) -> int:
@@ -213,7 +212,6 @@ class _IpcMemory:
                     f"cannot open the pool's CUDA IPC handle on cuda:{device}: {exc} "
                     "(a process cannot open a handle it exported itself)"
                 ) from None
-        self.device = device
         finalizer = weakref.finalize(self, _close_ipc, cupy, device, self.base)
         finalizer.atexit = False
 
@@ -245,83 +243,57 @@ def _open(handle: bytes, device: int, uuid: str) -> _IpcMemory:
         return memory
 
 
-def layer_views(raw: torch.Tensor, layout: PoolLayout) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` view per layer.
-
-    ``raw`` is the pool's bytes as a 1-D uint8 tensor on any device (a cuda
-    pool's mapping, or any other backend's); views share its memory.
-    """
-    torch = load_torch()
-    if raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():
+def _check_raw(raw: torch.Tensor, layout: PoolLayout) -> None:
+    th = load_torch()
+    if raw.dtype != th.uint8 or raw.dim() != 1 or not raw.is_contiguous():
         raise ValueError("the pool's bytes must be a contiguous 1-D uint8 tensor")
     if raw.numel() < layout.used_bytes:
         raise ValueError(f"{raw.numel()} bytes cannot hold the layout's {layout.used_bytes}")
+
+
+def _typed(raw: torch.Tensor, layout: PoolLayout) -> torch.Tensor:
+    """``raw`` reinterpreted as the layout's dtype (whole elements only)."""
     item = layout.itemsize
-    typed = raw[: raw.numel() // item * item].view(getattr(torch, layout.dtype))
+    return raw[: raw.numel() // item * item].view(getattr(load_torch(), layout.dtype))
+
+
+def layer_views(raw: torch.Tensor, layout: PoolLayout) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` view per layer.
+
+    ``raw`` is the pool's bytes as a contiguous 1-D uint8 tensor on any
+    device (a cuda pool's mapping, or any other memory); views share it.
+    """
+    th = load_torch()
+    _check_raw(raw, layout)
+    item = layout.itemsize
+    typed = _typed(raw, layout)
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     strides = tuple(s // item for s in layout.layer_strides())
     return [
-        torch.as_strided(typed, shape, strides, layout.layer_offset(layer) // item)
+        th.as_strided(typed, shape, strides, layout.layer_offset(layer) // item)
         for layer in range(layout.num_layers)
     ]
 
 
-class CudaPool:
-    """A cuda pool attached in this process: its bytes, its views, its fences."""
+def block_view(raw: torch.Tensor, layout: PoolLayout, b: int) -> torch.Tensor:
+    """Block ``b`` over all layers, ``[num_layers, 2, block_size, num_kv_heads, head_dim]``.
 
-    _raw: torch.Tensor
-    _layers: list[torch.Tensor]
-
-    def __init__(self, memory_map: CudaMemoryMap, layout: PoolLayout) -> None:
-        if memory_map.size < layout.total_bytes:
-            raise ValueError(
-                f"cuda memory map: size {memory_map.size} is smaller than the layout's "
-                f"{layout.total_bytes} bytes"
-            )
-        self.memory_map = memory_map
-        self.layout = layout
-        #: This process's ordinal of the pool's GPU.
-        self.device = local_device(memory_map.uuid)
-        memory = _open(memory_map.handle, self.device, memory_map.uuid)
-        #: Device address of the pool's first byte in this process.
-        self.ptr = memory.base + memory_map.offset
-        torch = load_torch()
-        cuda = torch.device("cuda", self.device)
-        self._raw = torch.as_tensor(_DeviceBytes(memory, self.ptr, memory_map.size), device=cuda)
-        if self._raw.data_ptr() != self.ptr:
-            raise CudaUnavailableError("torch copied the pool instead of viewing it")
-        self._layers = layer_views(self._raw, layout)
-
-    @property
-    def raw(self) -> torch.Tensor:
-        """The pool's bytes: a 1-D uint8 tensor on the pool's GPU."""
-        return self._raw
-
-    def layers(self) -> list[torch.Tensor]:
-        """Per layer a ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` view."""
-        return list(self._layers)
-
-    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Wait until the work queued on ``stream`` (default: the current one) has finished.
-
-        Call before ``commit`` or ``free`` so that no other process is handed
-        blocks this one is still writing or reading.
-        """
-        torch = load_torch()
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-        event = torch.cuda.Event()
-        event.record(stream)
-        event.synchronize()
-
-    def copy_blocks(self, pairs: npt.ArrayLike, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy-on-write: `copy_blocks` over this pool's layers."""
-        copy_blocks(self._layers, pairs, stream)
-
-
-def attach(memory: Mapping[str, Any], layout: PoolLayout) -> CudaPool:
-    """Open a hello reply's cuda memory map in this process (once per handle)."""
-    return CudaPool(CudaMemoryMap.from_dict(memory, layout), layout)
+    Zero-copy in both orders: contiguous for ``block_major``, strided (one
+    slot per layer and K/V) for ``layer_major``. ``raw`` as for `layer_views`.
+    """
+    th = load_torch()
+    _check_raw(raw, layout)
+    start = layout.offset(0, 0, b)  # IndexError outside the pool
+    item = layout.itemsize
+    inner = layout.layer_strides()[2:]
+    if layout.order == "layer_major":
+        outer = (layout.layer_stride, layout.num_blocks * layout.slot_bytes)
+    else:
+        outer = (2 * layout.slot_bytes, layout.slot_bytes)
+    shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    strides = tuple(s // item for s in (*outer, *inner))
+    view: torch.Tensor = th.as_strided(_typed(raw, layout), shape, strides, start // item)
+    return view
 
 
 def _pairs(pairs: npt.ArrayLike, num_blocks: int) -> npt.NDArray[np.int64]:
@@ -356,7 +328,7 @@ def copy_blocks(
     """
     if not layers:
         return
-    torch = load_torch()
+    th = load_torch()
     arr = _pairs(pairs, int(layers[0].shape[1]))
     if not len(arr):
         return
@@ -366,9 +338,107 @@ def copy_blocks(
     device = layers[0].device
     if any(layer.device != device for layer in layers):
         raise ValueError("the layer views lie on different devices")
-    on_stream = torch.cuda.stream(stream) if device.type == "cuda" else contextlib.nullcontext()
+    on_stream = th.cuda.stream(stream) if device.type == "cuda" else contextlib.nullcontext()
     with on_stream:
-        src = torch.from_numpy(arr[:, 0].copy()).to(device)
-        dst = torch.from_numpy(arr[:, 1].copy()).to(device)
+        src = th.from_numpy(arr[:, 0].copy()).to(device)
+        dst = th.from_numpy(arr[:, 1].copy()).to(device)
         for layer in layers:
             layer[:, dst] = layer[:, src]
+
+
+class CudaPool(PoolMapping):
+    """A cuda pool mapped in this process: its bytes, torch views, copies and fences.
+
+    Open with `CudaPool.open` (what `kvd_client.pool.open_pool` calls for a
+    ``"cuda"`` handle). The IPC handle is opened once per process; every
+    `CudaPool` of the same handle shares that mapping, which is closed when
+    the last pool object and view are gone.
+    """
+
+    BACKEND = BACKEND
+    _raw: torch.Tensor
+
+    def __init__(
+        self, layout: PoolLayout, memory: dict[str, Any], memory_map: CudaMemoryMap, device: int
+    ) -> None:
+        super().__init__(layout, memory)
+        self.memory_map = memory_map
+        #: This process's ordinal of the pool's GPU.
+        self.device = device
+        ipc = _open(memory_map.handle, device, memory_map.uuid)
+        #: Device address of the pool's first byte in this process.
+        self.ptr = ipc.base + memory_map.offset
+        th = load_torch()
+        self._raw = th.as_tensor(
+            _DeviceBytes(ipc, self.ptr, memory_map.size), device=th.device("cuda", device)
+        )
+        if self._raw.data_ptr() != self.ptr:
+            raise CudaUnavailableError("torch copied the pool instead of viewing it")
+
+    @classmethod
+    def open(cls, memory: dict[str, Any], layout: PoolLayout) -> PoolMapping:
+        """Map a hello reply's cuda handle.
+
+        Raises InternalError for a malformed handle, LayoutMismatch when the
+        memory is smaller than the layout, and CudaUnavailableError (a
+        LayoutMismatch) without cupy or torch, or when the GPU is not visible.
+        """
+        try:
+            memory_map = CudaMemoryMap.from_dict(memory)
+        except ValueError as exc:
+            raise InternalError(str(exc)) from None
+        if memory_map.size < layout.used_bytes:
+            raise LayoutMismatch(
+                f"pool memory of {memory_map.size} bytes is smaller than its layout's "
+                f"{layout.used_bytes}"
+            )
+        return cls(layout, memory, memory_map, local_device(memory_map.uuid))
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The pool's bytes: a 1-D uint8 tensor on the pool's GPU."""
+        return self._raw
+
+    def layer(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.layout.num_layers:
+            raise IndexError(f"layer {i} outside the pool's 0..{self.layout.num_layers - 1}")
+        return self.layers()[i]
+
+    def layers(self) -> list[torch.Tensor]:
+        if self._torch_layers is None:
+            self._torch_layers = layer_views(self._raw, self.layout)
+        return self._torch_layers
+
+    def block(self, b: int) -> torch.Tensor:
+        self._check_blocks([b])
+        return block_view(self._raw, self.layout, b)
+
+    def copy_blocks(
+        self, src: Sequence[int], dst: Sequence[int], stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copy-on-write, queued on ``stream`` (default: the current stream); nothing waits."""
+        if len(src) != len(dst):
+            raise InternalError(f"{len(src)} copy sources for {len(dst)} destinations")
+        if not len(src):
+            return
+        pairs = np.stack([np.asarray(src), np.asarray(dst)], axis=1)
+        try:
+            copy_blocks(self.layers(), pairs, stream)
+        except ValueError as exc:
+            raise InternalError(str(exc)) from None
+
+    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Wait until the work queued on ``stream`` (default: the current one) has finished.
+
+        Call before ``commit``, ``truncate`` or ``free`` so that no other
+        process is handed blocks this one is still writing or reading.
+        """
+        th = load_torch()
+        if stream is None:
+            stream = th.cuda.current_stream(self.device)
+        event = th.cuda.Event()
+        event.record(stream)
+        event.synchronize()
+
+
+register_backend(BACKEND, CudaPool.open)

@@ -17,13 +17,16 @@ import torch
 from kvd_client.cuda import (
     HANDLE_BYTES,
     CudaMemoryMap,
+    CudaPool,
     CudaUnavailableError,
-    attach,
+    block_view,
     copy_blocks,
     format_uuid,
     layer_views,
 )
+from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.layout import POOL_ALIGN, PoolLayout
+from kvd_client.pool import BACKENDS, open_pool
 
 UUID_BYTES = bytes.fromhex("8f2c1a0e5b7d4c3a9e1f00112233aabb")
 UUID = "GPU-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb"
@@ -77,14 +80,21 @@ def test_memory_map_packs_the_handle_as_bin() -> None:
     assert b"\xc4\x40" + HANDLE in wire
 
 
-def test_from_dict_checks_the_layout_fits() -> None:
-    assert LAYOUT.total_bytes == POOL_ALIGN
-    assert CudaMemoryMap.from_dict(memory_map(), LAYOUT).size == POOL_ALIGN
+def test_importing_the_module_registers_the_backend() -> None:
+    assert BACKENDS["cuda"] == CudaPool.open
+
+
+def test_open_refuses_memory_smaller_than_the_layout() -> None:
     big = PoolLayout(
         num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4, num_blocks=10**5
     )
-    with pytest.raises(ValueError, match=r"size .* smaller than the layout"):
-        CudaMemoryMap.from_dict(memory_map(), big)
+    with pytest.raises(LayoutMismatch, match="smaller than its layout"):
+        open_pool(memory_map(), big)
+
+
+def test_open_reports_a_malformed_map_as_internal() -> None:
+    with pytest.raises(InternalError, match="cuda memory map: handle"):
+        open_pool(memory_map(handle=b"short"), LAYOUT)
 
 
 @pytest.mark.parametrize(
@@ -122,15 +132,11 @@ def test_from_dict_rejects_a_non_map() -> None:
 
 
 @no_cupy
-def test_attach_without_cupy_says_how_to_install_it() -> None:
-    with pytest.raises(CudaUnavailableError, match=r"pip install 'kvd\[cuda\]'"):
-        attach(memory_map(), LAYOUT)
-
-
-@no_cupy
-def test_attach_validates_the_map_before_needing_cupy() -> None:
-    with pytest.raises(ValueError, match="handle"):
-        attach(memory_map(handle=b"short"), LAYOUT)
+def test_open_without_cupy_says_how_to_install_it() -> None:
+    with pytest.raises(CudaUnavailableError, match=r"pip install 'kvd\[cuda\]'") as info:
+        open_pool(memory_map(), LAYOUT)
+    assert isinstance(info.value, LayoutMismatch)
+    assert info.value.code == "MISMATCH"
 
 
 def raw_pool(layout: PoolLayout) -> torch.Tensor:
@@ -182,6 +188,28 @@ def test_layer_views_refuse_bytes_that_cannot_hold_the_layout() -> None:
         layer_views(torch.zeros(LAYOUT.total_bytes, dtype=torch.int8), LAYOUT)
     with pytest.raises(ValueError, match="uint8"):
         layer_views(torch.zeros(LAYOUT.total_bytes * 2, dtype=torch.uint8)[::2], LAYOUT)
+
+
+@pytest.mark.parametrize("order", ["layer_major", "block_major"])
+def test_block_view_sees_the_same_bytes_as_the_layer_views(order: str) -> None:
+    layout = PoolLayout(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        block_size=4,
+        num_blocks=10,
+        order=order,  # type: ignore[arg-type]
+    )
+    raw = raw_pool(layout)
+    layers = layer_views(raw, layout)
+    block = block_view(raw, layout, 7)
+    assert tuple(block.shape) == (3, 2, 4, 2, 8)
+    block[2, 1] = 5.0
+    assert bool((layers[2][1, 7] == 5.0).all())
+    assert int(torch.count_nonzero(torch.stack(layers))) == 4 * 2 * 8
+    with pytest.raises(IndexError):
+        block_view(raw, layout, 10)
 
 
 def filled_views(layout: PoolLayout) -> list[torch.Tensor]:
