@@ -269,7 +269,7 @@ class MetricsConfig:
     port: int = 9464
 
     def __post_init__(self) -> None:
-        _require(0 < self.port < 65536, "port", "must be in 1..65535")
+        _require(0 <= self.port < 65536, "port", "must be in 0..65535 (0: any free port)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,10 @@ def _mem_available() -> int | None:
 
 def capacity(shm_dir: str = "/dev/shm") -> Capacity:  # noqa: S108 (the tmpfs itself)
     """Bytes a new segment could take now: the lesser of tmpfs free space and MemAvailable."""
-    st = os.statvfs(shm_dir)
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError as exc:
+        raise StartupError(f"cannot create pools in {shm_dir}: {exc.strerror}") from None
     free = st.f_bavail * st.f_frsize
     avail = _mem_available()
     if avail is not None and avail < free:
