@@ -26,7 +26,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, TypeVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar, Union, dataclass_transform
 
 import msgpack
 import numpy as np
@@ -236,8 +236,13 @@ class Tokens:
     """
 
 
-class Blocks:
-    """Annotation marker: an int32 array carried as msgpack ``bin`` in the body."""
+if TYPE_CHECKING:
+    #: To type checkers a Blocks field is the int32 array it holds.
+    Blocks = npt.NDArray[np.int32]
+else:
+
+    class Blocks:
+        """Annotation marker: an int32 array carried as msgpack ``bin`` in the body."""
 
 
 _TokenArray = npt.NDArray[np.int32]
@@ -412,6 +417,7 @@ class Request(Message):
         return [bytes((self.KIND,)), body, *extras]
 
 
+@dataclass_transform(frozen_default=True)
 def _req(kind: Kind, *, batchable: bool = False, admin: bool = False) -> Any:
     """Class decorator: a frozen slotted dataclass registered under ``kind``."""
 
@@ -612,6 +618,7 @@ class Result(Message):
     __slots__ = ()
 
 
+@dataclass_transform(frozen_default=True)
 def _res(cls: type[Result]) -> type[Result]:
     return dataclass(frozen=True, slots=True)(cls)
 
