@@ -1,0 +1,638 @@
+"""The sans-I/O core of the client: every operation defined once, for both clients.
+
+An operation is a generator (`Op`): it checks its arguments, yields the
+request to send, receives the `OkReply` (or has the error thrown into it),
+interprets the result, updates local state (block tables, copy-on-write
+copies on the pool mapping) and returns its value. It never touches a
+socket: the blocking and the async driver each run the same generators, and
+a batch runs several of them on one round trip. Drivers:
+
+1. ``out = op.send(None)``; encode it with `Session.encode`, send it;
+2. read messages and pass each to `Session.accept` until it returns the
+   reply (`None` means a notice or a stale reply: keep reading);
+3. ``op.send(reply)``, or ``op.throw(error)`` for a `KvdError`; repeat
+   until ``StopIteration`` carries the value;
+4. finally `Session.deliver_notices`.
+
+Sequences and pins remember the session *generation* they were made in;
+``SESSION_LOST`` bumps the generation, which makes every older object raise
+`SessionLost`, and clears the session so that `Session.ensure` sends a new
+hello before the next session operation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd_client.errors import (
+    InternalError,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    SessionLost,
+    TooLarge,
+    error_from_reply,
+)
+from kvd_client.layout import PoolLayout
+from kvd_client.pool import PoolMapping, open_pool
+from kvd_client.protocol import (
+    MAX_MESSAGE_BYTES,
+    MAX_NAME_LEN,
+    MAX_TOKENS,
+    PROTOCOL_VERSION,
+    Allocate,
+    AllocateResult,
+    Append,
+    AppendResult,
+    BatchResult,
+    CanAllocate,
+    CanAllocateResult,
+    Check,
+    CheckResult,
+    Clients,
+    Code,
+    Commit,
+    CommitResult,
+    ErrorReply,
+    Flush,
+    FlushResult,
+    Fork,
+    ForkResult,
+    Free,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    HelloResult,
+    InfoResult,
+    Notice,
+    OkReply,
+    OpResult,
+    Pin,
+    Ping,
+    PingResult,
+    PinResult,
+    Pools,
+    ProtocolError,
+    Request,
+    Result,
+    Stats,
+    Truncate,
+    TruncateResult,
+    Unpin,
+    decode_reply,
+    encode_batch,
+)
+
+__all__ = [
+    "Admission",
+    "Deferred",
+    "Identity",
+    "Op",
+    "Outgoing",
+    "PinState",
+    "SeqState",
+    "Session",
+]
+
+T = TypeVar("T")
+R = TypeVar("R", bound=Result)
+
+
+class Outgoing(Protocol):
+    """What an operation yields: a message with an id that encodes to frames."""
+
+    @property
+    def id(self) -> int: ...
+
+    def encode(self) -> list[bytes]: ...
+
+
+#: An operation: yields requests, receives their OK replies, returns its value.
+Op: TypeAlias = Generator[Outgoing, OkReply, T]
+
+NoticeCallback: TypeAlias = Callable[[Notice], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who the client is, sent in every hello (``pool=None``: operator connection)."""
+
+    pool: str | None
+    name: str
+    namespace: str = ""
+    adapter: str | None = None
+    #: The layout the client requires (refused with MISMATCH when it differs).
+    layout: PoolLayout | None = None
+    hash_seed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Answer of ``can_allocate``: truthy when the allocation would be admitted now."""
+
+    ok: bool
+    #: Blocks this session could take now.
+    available: int
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchRequest:
+    id: int
+    ops: tuple[Request, ...]
+
+    def encode(self) -> list[bytes]:
+        return encode_batch(self.id, self.ops)
+
+
+_RESULT_FIELDS: dict[type[Result], frozenset[str]] = {}
+
+
+def _result(cls: type[R], reply: OkReply) -> R:
+    """Decode a result map, ignoring fields added by newer daemons."""
+    names = _RESULT_FIELDS.get(cls)
+    if names is None:
+        fields = dataclasses.fields(cast(Any, cls))
+        names = _RESULT_FIELDS[cls] = frozenset(f.name for f in fields)
+    body = reply.result
+    if not body.keys() <= names:
+        body = {k: v for k, v in body.items() if k in names}
+    try:
+        return cls.from_map(body, reply.extras)
+    except ProtocolError as exc:
+        raise InternalError(f"malformed {cls.__name__} from the daemon: {exc.message}") from None
+
+
+def _name(value: object, what: str) -> str:
+    if type(value) is not str or not value:
+        raise InvalidRequest(f"{what} must be a non-empty string, got {value!r}")
+    if len(value) > MAX_NAME_LEN:
+        raise TooLarge(f"{what} is longer than {MAX_NAME_LEN} characters")
+    return value
+
+
+def _count(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidRequest(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _opt_count(value: object, what: str) -> int | None:
+    return None if value is None else _count(value, what)
+
+
+def _tokens(tokens: npt.ArrayLike) -> npt.NDArray[np.int32]:
+    """Token ids as an int32 array, checked like the wire checks them."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"token ids must be a 1-D sequence, got {arr.ndim} dimensions")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size > MAX_TOKENS:
+        raise TooLarge(f"more than {MAX_TOKENS} token ids in one request")
+    if int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1:
+        raise InvalidRequest("token ids must lie in [0, 2**31)")
+    return arr.astype(np.int32, copy=False)
+
+
+def _frozen(arr: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    arr.flags.writeable = False
+    return arr
+
+
+class Session:
+    """State of one connection: identity, hello result, ids, generation, pool mapping."""
+
+    def __init__(self, identity: Identity, on_notice: NoticeCallback | None = None) -> None:
+        self.identity = identity
+        self.on_notice = on_notice
+        #: Bumped whenever the session is lost or closed.
+        self.generation = 0
+        #: The hello result of the current session (None: not attached).
+        self.info: HelloResult | None = None
+        #: The pool's layout: as required, then as first attached (kept for re-attach).
+        self.layout = identity.layout
+        self.hash_seed = identity.hash_seed
+        self.max_message_bytes = MAX_MESSAGE_BYTES
+        self._ids = itertools.count(1)
+        self._notices: list[Notice] = []
+        self._pool: PoolMapping | None = None
+
+    # -- the wire -----------------------------------------------------------
+
+    def next_id(self) -> int:
+        """A fresh request id (ids start at 1; 0 marks notices)."""
+        return next(self._ids)
+
+    def encode(self, out: Outgoing) -> list[bytes]:
+        """Frames of ``out``; raises `TooLarge` above the daemon's message limit."""
+        frames = out.encode()
+        size = sum(map(len, frames))
+        if size > self.max_message_bytes:
+            raise TooLarge(f"request of {size} bytes exceeds {self.max_message_bytes}")
+        return frames
+
+    def accept(self, frames: Sequence[bytes], req_id: int) -> OkReply | None:
+        """The reply to ``req_id``, or None for a notice (queued) or a stale reply.
+
+        An error reply raises its `KvdError` (``SESSION_LOST`` also loses the
+        session); an error without a readable id answers the request in flight.
+        """
+        try:
+            reply = decode_reply(frames)
+        except ProtocolError as exc:
+            raise InternalError(f"malformed reply from the daemon: {exc.message}") from None
+        if isinstance(reply, Notice):
+            self._notices.append(reply)
+            return None
+        if isinstance(reply, ErrorReply):
+            if reply.id is not None and reply.id != req_id:
+                return None
+            raise self.error(reply.code, reply.msg)
+        if reply.id != req_id:
+            return None
+        return reply
+
+    def error(self, code: str, message: str) -> KvdError:
+        """The exception for an error code; ``SESSION_LOST`` loses the session first."""
+        if code == Code.SESSION_LOST:
+            self.lose()
+        return error_from_reply(code, message)
+
+    def deliver_notices(self) -> None:
+        """Hand queued notices to the callback (after the operation completed)."""
+        notices, self._notices = self._notices, []
+        if self.on_notice is not None:
+            for notice in notices:
+                self.on_notice(notice)
+
+    # -- the session --------------------------------------------------------
+
+    def lose(self) -> None:
+        """Forget the session: older sequences and pins become dead."""
+        self.generation += 1
+        self.info = None
+
+    @property
+    def attached(self) -> bool:
+        return self.info is not None
+
+    def require_session(self) -> None:
+        if self.identity.pool is None:
+            raise InvalidRequest(
+                "this connection has no pool (operator connection): connect with pool=NAME"
+            )
+
+    def hello(self) -> Op[HelloResult]:
+        """Open (or re-open) the session; keeps the pool mapping when memory is unchanged."""
+        self.require_session()
+        ident = self.identity
+        assert ident.pool is not None
+        reply = yield Hello(
+            id=self.next_id(),
+            version=PROTOCOL_VERSION,
+            pool=ident.pool,
+            name=ident.name,
+            pid=os.getpid(),
+            namespace=ident.namespace,
+            adapter=ident.adapter,
+            layout=None if self.layout is None else self.layout.to_dict(),
+            hash_seed=self.hash_seed,
+        )
+        res = _result(HelloResult, reply)
+        try:
+            layout = PoolLayout.from_dict(res.layout)
+        except (ValueError, TypeError) as exc:
+            raise InternalError(f"the daemon sent a bad pool layout: {exc}") from None
+        if self._pool is not None and (
+            self._pool.memory != res.memory or self._pool.layout != layout
+        ):
+            self._pool = None
+        self.layout = layout
+        self.hash_seed = res.hash_seed
+        self.max_message_bytes = min(res.max_message_bytes, MAX_MESSAGE_BYTES)
+        self.info = res
+        return res
+
+    def ensure(self) -> Op[None]:
+        """Attach first when the session was lost (the automatic re-attach)."""
+        if self.info is None and self.identity.pool is not None:
+            yield from self.hello()
+
+    def pool(self) -> PoolMapping:
+        """The pool's memory in this process (mapped on first use, shared per process)."""
+        if self._pool is None:
+            if self.info is None or self.layout is None:
+                raise SessionLost("not attached: the pool is known after the next call")
+            self._pool = open_pool(self.info.memory, self.layout)
+        return self._pool
+
+    # -- session operations -------------------------------------------------
+
+    def allocate(
+        self, seq_id: str, tokens: npt.ArrayLike, reserve: int | None = None
+    ) -> Op[SeqState]:
+        """Allocate ``seq_id`` for ``tokens`` (longest cached prefix first)."""
+        self.require_session()
+        req = Allocate(
+            id=self.next_id(),
+            seq=_name(seq_id, "sequence id"),
+            tokens=_tokens(tokens),
+            reserve=_opt_count(reserve, "reserve"),
+        )
+        res = _result(AllocateResult, (yield req))
+        return SeqState(
+            self, seq_id, res.table, length=len(req.tokens), committed=0, cached=res.cached
+        )
+
+    def can_allocate(self, num_tokens: int, reserve: int | None = None) -> Op[Admission]:
+        """Would an allocation of ``num_tokens`` (reserving ``reserve``) be admitted now?"""
+        self.require_session()
+        req = CanAllocate(
+            id=self.next_id(),
+            tokens=_count(num_tokens, "num_tokens"),
+            reserve=_opt_count(reserve, "reserve"),
+        )
+        res = _result(CanAllocateResult, (yield req))
+        return Admission(res.ok, res.available)
+
+    def heartbeat(self) -> Op[None]:
+        """Renew the lease."""
+        self.require_session()
+        yield Heartbeat(id=self.next_id())
+
+    def goodbye(self) -> Op[None]:
+        """Close the session (no-op when not attached); older objects become dead."""
+        if self.info is None:
+            return
+        try:
+            yield Goodbye(id=self.next_id())
+        finally:
+            self.lose()
+
+    def run_batch(self, items: Sequence[Deferred[Any]], generation: int) -> Op[None]:
+        """Send every queued operation in one `Batch`, then settle each item."""
+        if generation != self.generation:
+            exc = SessionLost("the session was lost while this batch was being built")
+            for item in items:
+                item.fail(exc)
+            raise exc
+        if not items:
+            return
+        try:
+            yield from self.ensure()
+            reply = yield _BatchRequest(self.next_id(), tuple(item.request for item in items))
+            res = _result(BatchResult, reply)
+            if len(res.results) != len(items):
+                raise InternalError(f"{len(res.results)} batch results for {len(items)} ops")
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else InternalError("batch interrupted")
+            for item in items:
+                item.fail(failure)
+            raise
+        for item, entry in zip(items, res.results, strict=True):
+            item.settle(self, entry)
+
+    # -- operator requests (no session needed) ------------------------------
+
+    def stats(self, sections: Iterable[str] | None = None) -> Op[dict[str, Any]]:
+        """Statistics by section (all when ``sections`` is None)."""
+        names = None if sections is None else [_name(s, "section") for s in sections]
+        reply = yield Stats(id=self.next_id(), sections=names)
+        return _result(InfoResult, reply).info
+
+    def clients(self) -> Op[dict[str, Any]]:
+        """The connected sessions."""
+        return _result(InfoResult, (yield Clients(id=self.next_id()))).info
+
+    def pools(self) -> Op[dict[str, Any]]:
+        """The pools, their layouts and usage."""
+        return _result(InfoResult, (yield Pools(id=self.next_id()))).info
+
+    def check(self) -> Op[CheckResult]:
+        """Run the daemon's invariant checks."""
+        return _result(CheckResult, (yield Check(id=self.next_id())))
+
+    def flush(self, namespace: str | None = None) -> Op[int]:
+        """Drop evictable cached blocks (of ``namespace``); returns how many."""
+        ns = None if namespace is None else _name(namespace, "namespace")
+        return _result(FlushResult, (yield Flush(id=self.next_id(), namespace=ns))).dropped
+
+    def ping(self) -> Op[PingResult]:
+        """The daemon's epoch and protocol version."""
+        return _result(PingResult, (yield Ping(id=self.next_id())))
+
+
+class SeqState:
+    """Local state of one sequence: block table, lengths, liveness."""
+
+    __slots__ = (
+        "cached",
+        "committed",
+        "freed",
+        "generation",
+        "length",
+        "seq_id",
+        "session",
+        "table",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        seq_id: str,
+        table: npt.NDArray[np.int32],
+        *,
+        length: int,
+        committed: int,
+        cached: int,
+    ) -> None:
+        self.session = session
+        self.seq_id = seq_id
+        self.generation = session.generation
+        self.table = _frozen(table)
+        self.length = length
+        self.committed = committed
+        self.cached = cached
+        self.freed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.freed and self.generation == self.session.generation
+
+    def check_alive(self) -> None:
+        """Raise `SessionLost` for a sequence of a lost session, `NotFound` once freed."""
+        if self.generation != self.session.generation:
+            raise SessionLost(f"sequence {self.seq_id!r} belonged to a session that is gone")
+        if self.freed:
+            raise NotFound(f"sequence {self.seq_id!r} was freed")
+
+    def commit(self, n: int | None = None) -> Op[CommitResult]:
+        """The first ``n`` tokens (all when None) are written."""
+        self.check_alive()
+        s = self.session
+        req = Commit(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))
+        res = _result(CommitResult, (yield req))
+        self.committed = res.committed
+        return res
+
+    def append(self, tokens: npt.ArrayLike) -> Op[None]:
+        """Grow by ``tokens``; performs the reply's copy-on-write copies on the pool."""
+        self.check_alive()
+        s = self.session
+        res = _result(
+            AppendResult, (yield Append(id=s.next_id(), seq=self.seq_id, tokens=_tokens(tokens)))
+        )
+        if not 0 <= res.start <= len(self.table) or len(res.copies) % 2:
+            raise InternalError(f"inconsistent append result for {self.seq_id!r}: {res}")
+        if res.start != len(self.table) or len(res.blocks):
+            self.table = _frozen(np.concatenate((self.table[: res.start], res.blocks)))
+        self.length = res.length
+        if len(res.copies):
+            # State first: a failing copy must not leave the table behind the daemon's.
+            s.pool().copy_blocks(res.copies[0::2].tolist(), res.copies[1::2].tolist())
+
+    def fork(self, child_id: str, reserve: int | None = None) -> Op[SeqState]:
+        """A new sequence ``child_id`` sharing every block."""
+        self.check_alive()
+        s = self.session
+        req = Fork(
+            id=s.next_id(),
+            seq=self.seq_id,
+            child=_name(child_id, "child sequence id"),
+            reserve=_opt_count(reserve, "reserve"),
+        )
+        res = _result(ForkResult, (yield req))
+        return SeqState(
+            s,
+            child_id,
+            res.table,
+            length=self.length,
+            committed=self.committed,
+            cached=self.cached,
+        )
+
+    def truncate(self, n: int) -> Op[None]:
+        """Keep the first ``n`` tokens."""
+        self.check_alive()
+        s = self.session
+        res = _result(
+            TruncateResult, (yield Truncate(id=s.next_id(), seq=self.seq_id, n=_count(n, "n")))
+        )
+        if not 0 <= res.num_blocks <= len(self.table):
+            raise InternalError(f"inconsistent truncate result for {self.seq_id!r}: {res}")
+        self.table = self.table[: res.num_blocks]
+        self.length = res.length
+        self.committed = min(self.committed, res.length)
+        self.cached = min(self.cached, res.length)
+
+    def free(self) -> Op[None]:
+        """Release the sequence (committed full blocks stay cached)."""
+        self.check_alive()
+        yield Free(id=self.session.next_id(), seq=self.seq_id)
+        self.freed = True
+
+    def pin(self, n: int | None = None) -> Op[PinState]:
+        """Pin the committed full blocks of the first ``n`` tokens."""
+        self.check_alive()
+        s = self.session
+        res = _result(PinResult, (yield Pin(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))))
+        return PinState(s, res.pin, res.blocks)
+
+
+class PinState:
+    """A pin held by this session."""
+
+    __slots__ = ("blocks", "generation", "pin_id", "released", "session")
+
+    def __init__(self, session: Session, pin_id: int, blocks: int) -> None:
+        self.session = session
+        self.pin_id = pin_id
+        self.blocks = blocks
+        self.generation = session.generation
+        self.released = False
+
+    def unpin(self) -> Op[None]:
+        """Release the pin."""
+        if self.generation != self.session.generation:
+            raise SessionLost(f"pin {self.pin_id} belonged to a session that is gone")
+        if self.released:
+            raise NotFound(f"pin {self.pin_id} was released")
+        yield Unpin(id=self.session.next_id(), pin=self.pin_id)
+        self.released = True
+
+
+class Deferred(Generic[T]):
+    """One operation queued in a batch: its request now, its outcome after the send.
+
+    Creating it runs the operation's local checks (bad arguments raise here,
+    before anything is queued).
+    """
+
+    __slots__ = ("_done", "_error", "_id", "_op", "_value", "request")
+
+    def __init__(self, op: Op[T]) -> None:
+        out = next(op)
+        if not isinstance(out, Request) or not out.BATCHABLE:
+            op.close()
+            raise InvalidRequest(f"{type(out).__name__} cannot be batched")
+        self._op = op
+        self._id = out.id
+        self.request: Request = out
+        self._done = False
+        self._value: T | None = None
+        self._error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the batch was sent and this operation has an outcome."""
+        return self._done
+
+    def result(self) -> T:
+        """The operation's value; raises its error when it failed."""
+        if not self._done:
+            raise RuntimeError("the batch has not been sent yet")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def exception(self) -> Exception | None:
+        """The operation's error (a `KvdError`, or a local failure), None on success."""
+        if not self._done:
+            raise RuntimeError("the batch has not been sent yet")
+        return self._error
+
+    def fail(self, exc: Exception) -> None:
+        """Settle as failed (the whole batch failed before this op ran)."""
+        if not self._done:
+            self._op.close()
+            self._error, self._done = exc, True
+
+    def settle(self, session: Session, entry: Any) -> None:
+        """Feed this operation its entry of the batch reply."""
+        try:
+            res = _result(OpResult, OkReply(self._id, entry if type(entry) is dict else {}))
+            if res.ok:
+                self._op.send(OkReply(self._id, res.r or {}))
+            else:
+                self._op.throw(session.error(str(res.code), str(res.msg)))
+            self._op.close()
+            raise InternalError(f"{type(self.request).__name__} expected one reply")
+        except StopIteration as stop:
+            self._value, self._done = stop.value, True
+        except Exception as exc:
+            # Per-op outcome: an error (or a failed local update such as a
+            # copy-on-write copy) belongs to this op, not to the whole batch.
+            self._error, self._done = exc, True

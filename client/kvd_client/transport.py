@@ -1,0 +1,126 @@
+"""The two ways frames reach the daemon: a blocking and an anyio DEALER socket.
+
+Both only move frames: `Session.encode` builds them and `Session.accept`
+picks the reply to the request in flight out of what arrives (skipping
+notices and stale replies), so the protocol logic exists once.
+
+Socket options, and why:
+
+- ``IMMEDIATE=1``: messages are queued only to a completed connection. With
+  no daemon listening a send waits (up to the timeout) instead of queueing a
+  request that a daemon started minutes later would still execute.
+- ``LINGER=0``: closing never blocks on unsent messages.
+- ZeroMQ reconnects by itself after a daemon restart; the new daemon answers
+  ``SESSION_LOST`` and the session re-attaches. A reply that arrives after its
+  request timed out carries an old id and is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import zmq
+
+from kvd_client.core import Outgoing, Session
+from kvd_client.errors import DaemonUnavailable
+from kvd_client.protocol import OkReply
+
+__all__ = ["AsyncTransport", "BlockingTransport", "dealer"]
+
+
+def dealer(address: str) -> zmq.Socket[bytes]:
+    """A DEALER socket connected to ``address``; ValueError for a malformed address."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise ValueError(f"cannot connect to {address!r}: {exc}") from None
+    return sock
+
+
+class BlockingTransport:
+    """Round trips on a blocking socket (send and receive time-outs in the socket)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = dealer(address)
+        self._timeout_ms = -1
+
+    def _set_timeout(self, ms: int) -> None:
+        if ms != self._timeout_ms:
+            self._sock.setsockopt(zmq.SNDTIMEO, ms)
+            self._sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._timeout_ms = ms
+
+    def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:
+        """Send ``out`` and return its reply; `DaemonUnavailable` after ``timeout`` seconds."""
+        frames = session.encode(out)
+        sock = self._sock
+        self._set_timeout(max(1, int(timeout * 1000)))
+        deadline = 0.0
+        try:
+            sock.send_multipart(frames)
+            while True:
+                reply = session.accept(sock.recv_multipart(), out.id)
+                if reply is not None:
+                    return reply
+                # A notice or a stale reply: keep waiting, within the same deadline.
+                now = time.monotonic()
+                deadline = deadline or now + timeout
+                if now >= deadline:
+                    break
+                self._set_timeout(max(1, int((deadline - now) * 1000)))
+        except zmq.Again:
+            pass
+        raise DaemonUnavailable(self.address, timeout)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class AsyncTransport:
+    """Round trips on a plain zmq socket driven by `anyio.wait_readable` on its FD.
+
+    ZeroMQ's FD only signals that the socket's state may have changed
+    (edge-triggered): always try the operation with NOBLOCK first and wait on
+    the FD only after EAGAIN. Callers serialise round trips (one waiter per FD).
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = dealer(address)
+        self._fd: int = self._sock.FD
+
+    async def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:
+        """Send ``out`` and return its reply; `DaemonUnavailable` after ``timeout`` seconds."""
+        frames = session.encode(out)
+        with anyio.move_on_after(timeout):
+            await self._send(frames)
+            while True:
+                reply = session.accept(await self._recv(), out.id)
+                if reply is not None:
+                    return reply
+        raise DaemonUnavailable(self.address, timeout)
+
+    async def _send(self, frames: Sequence[bytes]) -> None:
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await anyio.wait_readable(self._fd)
+
+    async def _recv(self) -> list[bytes]:
+        while True:
+            try:
+                return self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await anyio.wait_readable(self._fd)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
