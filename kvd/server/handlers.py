@@ -166,8 +166,17 @@ class Dispatcher:
     ) -> list[bytes]:
         """The reply frames (without routing id) for one message; never raises."""
         t0 = time.perf_counter_ns()
-        kind_name = "invalid"
-        ops = 1
+        kind, ops, reply = self._reply(identity, frames, peer)
+        elapsed = time.perf_counter_ns() - t0
+        self.rpc.record(kind, elapsed, ops)
+        if self.observe is not None:
+            self.observe(kind.lower(), elapsed / 1e9)
+        return reply
+
+    def _reply(
+        self, identity: bytes, frames: Sequence[bytes], peer: PeerCred | None
+    ) -> tuple[str, int, list[bytes]]:
+        """(kind name for stats, operations carried, reply frames)."""
         try:
             if sum(len(f) for f in frames) > P.MAX_MESSAGE_BYTES:
                 raise P.ProtocolError(
@@ -175,11 +184,9 @@ class Dispatcher:
                 )
             req = P.decode_request(frames)
         except P.ProtocolError as exc:
-            self.rpc.error(exc.code)
-            self.rpc.record(kind_name, time.perf_counter_ns() - t0)
-            return P.encode_error(exc.req_id, exc.code, exc.message)
-        kind_name = req.KIND.name
+            return "INVALID", 1, self._error(exc.req_id, exc.code, exc.message)
         req_id: int = getattr(req, "id", 0)
+        ops = len(req.ops) if isinstance(req, P.Batch) else 1
         try:
             ctx = _Ctx(identity, peer, None, frames[2:])
             if not req.ADMIN and req.KIND != P.Kind.HELLO:
@@ -190,21 +197,12 @@ class Dispatcher:
                         "no session for this connection (daemon restarted, lease expired, "
                         "or no hello); old sequences are gone: send hello again",
                     )
-            if isinstance(req, P.Batch):
-                ops = len(req.ops)
             outcome = self._run(req, ctx)
         except RequestError as exc:
-            reply = self._error(req_id, exc.code, exc.message)
-        else:
-            if isinstance(outcome, Refusal):
-                reply = self._error(req_id, P.Code(str(outcome.code)), outcome.message)
-            else:
-                reply = P.encode_ok(req_id, outcome)
-        elapsed = time.perf_counter_ns() - t0
-        self.rpc.record(kind_name, elapsed, ops)
-        if self.observe is not None:
-            self.observe(kind_name.lower(), elapsed / 1e9)
-        return reply
+            return req.KIND.name, ops, self._error(req_id, exc.code, exc.message)
+        if isinstance(outcome, Refusal):
+            return req.KIND.name, ops, self._error(req_id, P.Code(outcome.code), outcome.message)
+        return req.KIND.name, ops, P.encode_ok(req_id, outcome)
 
     def _run(self, req: P.Request, ctx: _Ctx) -> _Outcome:
         """One request (or batch op) through its handler; errors become RequestError."""

@@ -87,7 +87,6 @@ def probe_daemon(ctx: zmq.Context[zmq.Socket[bytes]], address: str, timeout_ms: 
     """Does a live kvd answer PING at ``address`` within ``timeout_ms``? Blocking."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
     try:
         sock.connect(address)
         sock.send_multipart(P.Ping(id=1).encode(), zmq.NOBLOCK)

@@ -1,0 +1,557 @@
+"""kvd.server.handlers: every request kind against a real engine and a real shm pool."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import structlog.testing
+from kvd_client import protocol as P
+
+from kvd.config import Config, load_config
+from kvd.engine import Engine, EngineConfig
+from kvd.memory.shm import ShmPool
+from kvd.server.handlers import Dispatcher, PoolRuntime
+from kvd.server.sessions import PeerCred, SessionTable
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _config(**overrides: str) -> Config:
+    base = {
+        "pools.0.num_blocks": "16",
+        "pools.0.num_layers": "2",
+        "pools.0.num_kv_heads": "1",
+        "pools.0.head_dim": "16",
+    }
+    return load_config(env={}, overrides=base | overrides)
+
+
+class Harness:
+    """A dispatcher over real pools, with helpers to talk to it like a client."""
+
+    def __init__(self, config: Config, events: list[tuple[str, list[Any]]] | None = None):
+        self.instance = f"test{uuid.uuid4().hex[:10]}"
+        self.pools: dict[str, PoolRuntime] = {}
+        for pc in config.pools:
+            memory = ShmPool.create(pc.name, pc.layout, instance=self.instance, prefault=False)
+            engine = Engine(
+                EngineConfig(
+                    num_blocks=pc.num_blocks,
+                    block_size=pc.block_size,
+                    hash_seed=config.cache.hash_seed,
+                    watermark_blocks=config.admission.watermark_blocks,
+                    events=events is not None,
+                )
+            )
+            self.pools[pc.name] = PoolRuntime(pc, engine, memory)
+        self.clock = Clock()
+        self.observed: list[tuple[str, float]] = []
+        self.d = Dispatcher(
+            config,
+            self.pools,
+            SessionTable(config.server.lease_ms / 1e3, clock=self.clock, watch_pids=False),
+            epoch=12345,
+            addresses=["ipc:///test.sock"],
+            on_events=(lambda pool, evs: events.append((pool, evs)))
+            if events is not None
+            else None,
+            observe=lambda kind, s: self.observed.append((kind, s)),
+            clock=self.clock,
+        )
+        self._ids = iter(range(1, 1 << 30))
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.memory.close()
+
+    def send(self, frames: list[bytes], who: bytes = b"A", peer: PeerCred | None = None) -> Any:
+        return P.decode_reply(self.d.handle(who, frames, peer))
+
+    def call(self, req: P.Request, who: bytes = b"A") -> Any:
+        return self.send(req.encode(), who)
+
+    def nid(self) -> int:
+        return next(self._ids)
+
+    def hello(self, who: bytes = b"A", **kw: Any) -> Any:
+        fields = {"version": P.PROTOCOL_VERSION, "pool": "default", "name": "t", "pid": 1} | kw
+        return self.call(P.Hello(id=self.nid(), **fields), who)
+
+    def ok(self, req: P.Request, who: bytes = b"A") -> dict[str, Any]:
+        reply = self.call(req, who)
+        assert isinstance(reply, P.OkReply), reply
+        return reply.result
+
+    def err(self, req: P.Request | list[bytes], who: bytes = b"A") -> P.ErrorReply:
+        reply = self.send(req if isinstance(req, list) else req.encode(), who)
+        assert isinstance(reply, P.ErrorReply), reply
+        return reply
+
+    def state(self) -> dict[str, Any]:
+        s = self.d.stats()
+        return {"blocks": s["blocks"], "pools": s["pools"], "sessions": s["clients"]["sessions"]}
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness(_config())
+    yield harness
+    harness.close()
+
+
+def toks(n: int, start: int = 0) -> np.ndarray[Any, Any]:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def table(result: dict[str, Any], key: str = "table") -> list[int]:
+    return list(P.blocks_from_bytes(result[key]))
+
+
+# --------------------------------------------------------------------------
+# Sessions and handshake
+
+
+def test_ping_needs_no_session(h: Harness) -> None:
+    assert h.ok(P.Ping(id=7)) == {"epoch": 12345, "version": P.PROTOCOL_VERSION}
+
+
+def test_request_without_hello_is_session_lost(h: Harness) -> None:
+    e = h.err(P.Allocate(id=5, seq="s", tokens=toks(4)))
+    assert (e.id, e.code) == (5, P.Code.SESSION_LOST)
+
+
+def test_hello_returns_layout_memory_and_lease(h: Harness) -> None:
+    reply = h.hello()
+    assert isinstance(reply, P.OkReply)
+    r = P.HelloResult.from_map(reply.result, [])
+    pool = h.pools["default"]
+    assert r.epoch == 12345
+    assert r.layout == pool.layout.to_dict()
+    assert r.memory == pool.memory.handle()
+    assert os.path.exists(r.memory["path"])
+    assert r.lease_ms == 5000
+    assert r.hash_seed == "vllm-none-hash"
+    assert r.max_message_bytes == P.MAX_MESSAGE_BYTES
+
+
+def test_hello_with_matching_layout_and_seed_is_accepted(h: Harness) -> None:
+    layout = h.pools["default"].layout.to_dict()
+    assert isinstance(h.hello(layout=layout, hash_seed="vllm-none-hash"), P.OkReply)
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"version": P.PROTOCOL_VERSION + 1}, P.Code.VERSION),
+        ({"pool": "absent"}, P.Code.NOT_FOUND),
+        ({"hash_seed": "other"}, P.Code.MISMATCH),
+        ({"layout": {"num_layers": 2}}, P.Code.INVALID),
+    ],
+)
+def test_bad_hello_is_refused_and_opens_nothing(
+    h: Harness, fields: dict[str, Any], code: P.Code
+) -> None:
+    reply = h.hello(**fields)
+    assert isinstance(reply, P.ErrorReply)
+    assert reply.code == code
+    assert len(h.d.sessions) == 0
+
+
+def test_hello_with_other_layout_names_the_difference(h: Harness) -> None:
+    layout = h.pools["default"].layout.to_dict() | {"block_size": 32}
+    reply = h.hello(layout=layout)
+    assert isinstance(reply, P.ErrorReply)
+    assert reply.code == P.Code.MISMATCH
+    assert "block_size" in reply.msg
+
+
+def test_max_sessions_gives_busy() -> None:
+    harness = Harness(_config(**{"server.max_sessions": "1"}))
+    try:
+        assert isinstance(harness.hello(b"A"), P.OkReply)
+        reply = harness.hello(b"B")
+        assert isinstance(reply, P.ErrorReply)
+        assert reply.code == P.Code.BUSY
+        # the existing connection may still say hello again
+        assert isinstance(harness.hello(b"A"), P.OkReply)
+    finally:
+        harness.close()
+
+
+def test_second_hello_replaces_the_session_and_frees_its_sequences(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    h.hello()
+    assert h.state()["blocks"]["default"]["in_use"] == 0
+    assert len(h.d.sessions) == 1
+    assert h.err(P.Free(id=2, seq="s")).code == P.Code.NOT_FOUND
+
+
+def test_goodbye_closes_the_session(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(P.Goodbye(id=2)) == {}
+    assert h.state()["blocks"]["default"]["in_use"] == 0
+    assert h.err(P.Heartbeat(id=3)).code == P.Code.SESSION_LOST
+
+
+def test_heartbeat_renews_the_lease(h: Harness) -> None:
+    h.hello()
+    h.clock.now += 4.0
+    h.ok(P.Heartbeat(id=1))
+    h.clock.now += 4.0
+    assert h.d.sessions.expired() == []
+
+
+def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harness) -> None:
+    h.hello(b"A")
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
+    h.ok(P.Commit(id=2, seq="s"), b"A")
+    session = h.d.sessions.peek(b"A")
+    assert session is not None
+    h.d.close_session(session, "test")
+    blocks = h.state()["blocks"]["default"]
+    assert (blocks["in_use"], blocks["evictable"]) == (0, 2)
+    assert h.d.stats()["clients"]["closed"] == {"test": 1}
+
+
+def test_hello_records_peer_credentials(h: Harness) -> None:
+    peer = PeerCred(0, 0, os.getpid())
+    reply = h.send(P.Hello(id=1, version=1, pool="default", name="t", pid=99).encode(), b"A", peer)
+    assert isinstance(reply, P.OkReply)
+    session = h.d.sessions.peek(b"A")
+    assert session is not None
+    assert (session.pid, session.watched_pid) == (99, os.getpid())
+
+
+# --------------------------------------------------------------------------
+# Sequences
+
+
+def test_prefix_is_shared_between_sessions(h: Harness) -> None:
+    h.hello(b"A")
+    h.hello(b"B")
+    a = h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
+    assert (a["cached"], len(table(a))) == (0, 3)
+    assert h.ok(P.Commit(id=2, seq="s"), b"A") == {"committed": 40, "cached_blocks": 2}
+    b = h.ok(P.Allocate(id=3, seq="s", tokens=toks(50)), b"B")
+    assert b["cached"] == 32
+    assert table(b)[:2] == table(a)[:2]
+
+
+def test_hit_is_capped_below_the_last_token(h: Harness) -> None:
+    h.hello(b"A")
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(32)))
+    h.ok(P.Commit(id=2, seq="s"))
+    b = h.ok(P.Allocate(id=3, seq="t", tokens=toks(32)))
+    assert b["cached"] == 16
+
+
+def test_append_fork_truncate_pin_unpin_free(h: Harness) -> None:
+    h.hello()
+    a = h.ok(P.Allocate(id=1, seq="s", tokens=toks(20), reserve=64))
+    assert a["reserved"] > 0
+    ap = h.ok(P.Append(id=2, seq="s", tokens=toks(20, 20)))
+    assert (ap["start"], ap["length"]) == (2, 40)
+    assert len(table(ap, "blocks")) == 1
+    f = h.ok(P.Fork(id=3, seq="s", child="c"))
+    assert len(table(f)) == 3
+    # the child's last block is shared: appending copies it first
+    cow = h.ok(P.Append(id=4, seq="c", tokens=toks(1, 40)))
+    copies = table(cow, "copies")
+    assert len(copies) == 2
+    assert copies[0] == table(f)[2]
+    assert h.ok(P.Truncate(id=5, seq="s", n=17)) == {"length": 17, "num_blocks": 2}
+    h.ok(P.Commit(id=6, seq="s"))
+    pin = h.ok(P.Pin(id=7, seq="s"))
+    assert pin["blocks"] == 1
+    assert h.state()["blocks"]["default"]["pinned"] == 1
+    assert h.ok(P.Unpin(id=8, pin=pin["pin"])) == {}
+    assert h.ok(P.Free(id=9, seq="s")) == {}
+    assert h.ok(P.Free(id=10, seq="c")) == {}
+    assert h.state()["blocks"]["default"]["in_use"] == 0
+
+
+def test_can_allocate(h: Harness) -> None:
+    h.hello()
+    assert h.ok(P.CanAllocate(id=1, tokens=16 * BS)) == {"ok": True, "available": 16}
+    assert h.ok(P.CanAllocate(id=2, tokens=17 * BS))["ok"] is False
+
+
+def test_out_of_blocks_changes_nothing(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(10 * BS)))
+    before = h.state()
+    e = h.err(P.Allocate(id=2, seq="t", tokens=toks(7 * BS)))
+    assert (e.id, e.code) == (2, P.Code.OUT_OF_BLOCKS)
+    assert h.state() == before
+    assert h.d.stats()["admission"]["refusals"]["OUT_OF_BLOCKS"] == 1
+
+
+def test_quota_exceeded_per_session() -> None:
+    harness = Harness(_config(**{"admission.session_quota_blocks": "2"}))
+    try:
+        harness.hello()
+        e = harness.err(P.Allocate(id=1, seq="s", tokens=toks(3 * BS)))
+        assert e.code == P.Code.QUOTA_EXCEEDED
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize(
+    ("req", "code"),
+    [
+        (P.Free(id=1, seq="nope"), P.Code.NOT_FOUND),
+        (P.Commit(id=1, seq="nope"), P.Code.NOT_FOUND),
+        (P.Unpin(id=1, pin=999), P.Code.NOT_FOUND),
+        (P.Truncate(id=1, seq="s", n=-1), P.Code.INVALID),
+        (P.Allocate(id=1, seq="s", tokens=toks(4)), P.Code.EXISTS),
+        (P.Allocate(id=1, seq="t", tokens=toks(4), reserve=-1), P.Code.INVALID),
+    ],
+)
+def test_engine_errors_carry_their_code_and_change_nothing(
+    h: Harness, req: P.Request, code: P.Code
+) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=0, seq="s", tokens=toks(20)))
+    before = h.state()
+    e = h.err(req)
+    assert (e.id, e.code) == (1, code)
+    assert h.state() == before
+    assert h.d.stats()["rpc"]["errors"] == {str(code): 1}
+
+
+def test_another_sessions_sequence_is_not_found(h: Harness) -> None:
+    h.hello(b"A")
+    h.hello(b"B")
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(20)), b"A")
+    assert h.err(P.Free(id=2, seq="s"), b"B").code == P.Code.NOT_FOUND
+    assert h.err(P.Fork(id=3, seq="s", child="c"), b"B").code == P.Code.NOT_FOUND
+    assert h.ok(P.Free(id=4, seq="s"), b"A") == {}
+
+
+def test_unexpected_exception_is_internal_and_logged(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h.hello()
+    before = h.state()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    # Fault injection: the engine has no bug to trigger on purpose.
+    monkeypatch.setattr(h.pools["default"].engine, "allocate", broken)
+    with structlog.testing.capture_logs() as logs:
+        e = h.err(P.Allocate(id=3, seq="s", tokens=toks(4)))
+    assert (e.id, e.code) == (3, P.Code.INTERNAL)
+    assert [entry["event"] for entry in logs] == ["internal_error"]
+    assert logs[0]["exc_info"] is True
+    assert h.state() == before
+    assert h.ok(P.Ping(id=4))["epoch"] == 12345
+
+
+# --------------------------------------------------------------------------
+# Batch
+
+
+def test_batch_runs_in_order_with_one_result_each(h: Harness) -> None:
+    h.hello()
+    frames = P.encode_batch(
+        9,
+        [
+            P.Allocate(id=0, seq="s", tokens=toks(20)),
+            P.Free(id=0, seq="nope"),
+            P.Append(id=0, seq="s", tokens=toks(4, 20)),
+            P.Allocate(id=0, seq="big", tokens=toks(100 * BS)),
+            P.Commit(id=0, seq="s"),
+        ],
+    )
+    reply = h.send(frames)
+    assert isinstance(reply, P.OkReply)
+    assert reply.id == 9
+    results = reply.result["results"]
+    assert [r["ok"] for r in results] == [True, False, True, False, True]
+    assert results[1]["code"] == P.Code.NOT_FOUND
+    assert results[2]["r"]["length"] == 24
+    assert results[3]["code"] == P.Code.OUT_OF_BLOCKS
+    assert results[4]["r"] == {"committed": 24, "cached_blocks": 1}
+    rpc = h.d.stats()["rpc"]
+    assert rpc["errors"] == {"NOT_FOUND": 1, "OUT_OF_BLOCKS": 1}
+    assert rpc["ops"] >= 5
+
+
+def test_batch_refuses_non_batchable_and_unknown_ops(h: Harness) -> None:
+    h.hello()
+    body = msgpack.packb(
+        {"id": 4, "ops": [[int(P.Kind.HELLO), {}], [0x7E, {}], "junk", [int(P.Kind.FREE), 5]]}
+    )
+    reply = h.send([bytes((P.Kind.BATCH,)), body])
+    assert isinstance(reply, P.OkReply)
+    codes = [r["code"] for r in reply.result["results"]]
+    assert codes == [P.Code.INVALID, P.Code.UNKNOWN_KIND, P.Code.INVALID, P.Code.INVALID]
+
+
+def test_batch_needs_a_session(h: Harness) -> None:
+    e = h.err(P.encode_batch(3, [P.Free(id=0, seq="s")]))
+    assert (e.id, e.code) == (3, P.Code.SESSION_LOST)
+
+
+# --------------------------------------------------------------------------
+# Malformed input
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "req_id"),
+    [
+        ([b"\x25"], P.Code.INVALID, None),
+        ([b"\x25\x25", b"\x80"], P.Code.INVALID, None),
+        ([b"\x7e", msgpack.packb({"id": 4})], P.Code.UNKNOWN_KIND, 4),
+        ([b"\x10", b"\xc1"], P.Code.INVALID, None),
+        ([b"\x10", msgpack.packb([1, 2])], P.Code.INVALID, None),
+        ([b"\x10", msgpack.packb({"id": 6, "seq": 5, "tokens": 0}), b"\0" * 4], P.Code.INVALID, 6),
+        ([b"\x10", msgpack.packb({"id": 6, "seq": "s", "tokens": 3})], P.Code.INVALID, 6),
+        (
+            [b"\x10", msgpack.packb({"id": 6, "seq": "s", "tokens": 0}), b"\0" * 5],
+            P.Code.INVALID,
+            6,
+        ),
+        (
+            [b"\x10", msgpack.packb({"id": 6, "seq": "x" * 300, "tokens": 0}), b""],
+            P.Code.TOO_LARGE,
+            6,
+        ),
+        ([b"\x25", msgpack.packb({"id": 2, "extra": 1})], P.Code.INVALID, 2),
+        ([b"\x25", b"\x80"] * 3000, P.Code.TOO_LARGE, None),
+    ],
+)
+def test_malformed_frames_get_an_error_with_a_code(
+    h: Harness, frames: list[bytes], code: P.Code, req_id: int | None
+) -> None:
+    before = h.state()
+    e = h.err(frames)
+    assert (e.code, e.id) == (code, req_id)
+    assert h.state() == before
+
+
+def test_message_above_the_limit_is_too_large(h: Harness) -> None:
+    big = b"\0" * (P.MAX_MESSAGE_BYTES // 2 + 8)
+    e = h.err([b"\x25", msgpack.packb({"id": 1}), big, big])
+    assert e.code == P.Code.TOO_LARGE
+
+
+# --------------------------------------------------------------------------
+# Draining
+
+
+def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(20), reserve=40))
+    h.d.draining = True
+    assert h.err(P.Allocate(id=2, seq="t", tokens=toks(4))).code == P.Code.SHUTTING_DOWN
+    assert h.err(P.Fork(id=3, seq="s", child="c")).code == P.Code.SHUTTING_DOWN
+    assert h.hello(b"B").code == P.Code.SHUTTING_DOWN
+    assert h.ok(P.Append(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
+    assert h.ok(P.Commit(id=5, seq="s"))["committed"] == 24
+    assert h.d.in_flight() == 1
+    assert h.ok(P.Free(id=6, seq="s")) == {}
+    assert h.d.in_flight() == 0
+    assert h.ok(P.Ping(id=7))["epoch"] == 12345
+
+
+# --------------------------------------------------------------------------
+# Admin
+
+
+def test_check_passes(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(P.Check(id=2)) == {"ok": True, "problems": []}
+
+
+def test_flush_drops_cached_blocks(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    h.ok(P.Commit(id=2, seq="s"))
+    h.ok(P.Free(id=3, seq="s"))
+    assert h.ok(P.Flush(id=4)) == {"dropped": 2}
+    assert h.state()["blocks"]["default"]["evictable"] == 0
+
+
+def test_stats_sections(h: Harness) -> None:
+    h.hello()
+    info = h.ok(P.Stats(id=1))["info"]
+    assert set(info) == {"server", "pools", "blocks", "prefix", "clients", "admission", "rpc"}
+    assert info["server"]["epoch"] == 12345
+    assert info["server"]["pid"] == os.getpid()
+    assert info["blocks"]["default"]["total"] == 16
+    assert info["clients"]["sessions"] == 1
+    only = h.ok(P.Stats(id=2, sections=["blocks"]))["info"]
+    assert set(only) == {"blocks"}
+    assert h.err(P.Stats(id=3, sections=["nope"])).code == P.Code.INVALID
+
+
+def test_clients_and_pools_listings(h: Harness) -> None:
+    h.hello(b"A", name="worker-1")
+    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    (client,) = h.ok(P.Clients(id=2))["info"]["sessions"]
+    assert client["name"] == "worker-1"
+    assert client["usage_blocks"] == 3
+    pools = h.ok(P.Pools(id=3))["info"]["pools"]
+    assert pools["default"]["blocks"]["in_use"] == 3
+    assert pools["default"]["memory"]["backend"] == "shm"
+    assert pools["default"]["sessions"] == 1
+
+
+def test_two_pools_sessions_pick_by_name(tmp_path: Any) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text(
+        '[[pools]]\nname = "a"\nnum_blocks = 8\nnum_layers = 1\n'
+        '[[pools]]\nname = "b"\nnum_blocks = 4\nnum_layers = 1\nblock_size = 32\n'
+    )
+    harness = Harness(load_config(path, env={}))
+    try:
+        ra = harness.hello(b"A", pool="a")
+        rb = harness.hello(b"B", pool="b")
+        assert ra.result["layout"]["block_size"] == 16
+        assert rb.result["layout"]["block_size"] == 32
+        assert ra.result["memory"]["path"] != rb.result["memory"]["path"]
+        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(64)), b"B")
+        blocks = harness.d.stats()["blocks"]
+        assert (blocks["a"]["in_use"], blocks["b"]["in_use"]) == (0, 2)
+    finally:
+        harness.close()
+
+
+def test_events_reach_the_publisher() -> None:
+    events: list[tuple[str, list[Any]]] = []
+    harness = Harness(_config(), events=events)
+    try:
+        harness.hello()
+        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+        harness.ok(P.Commit(id=2, seq="s"))
+        assert [(pool, type(e).__name__) for pool, evs in events for e in evs] == [
+            ("default", "BlockStored")
+        ]
+    finally:
+        harness.close()
+
+
+def test_service_time_is_observed_per_kind(h: Harness) -> None:
+    h.ok(P.Ping(id=1))
+    h.err([b"\x7e", b"\x80"])
+    assert [kind for kind, _ in h.observed] == ["ping", "invalid"]
+    assert all(s >= 0 for _, s in h.observed)
