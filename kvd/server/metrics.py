@@ -33,7 +33,7 @@ ignored; numbers are ints or floats)::
       },
       "admission": {"refusals": {"<CODE>": n}},
       "clients": {"sessions": n},
-      "events": {"batches": n, "events": n, "dropped": n, "replays": n},   # optional
+      "events": {"batches": n, "events": n, "replays": n},   # optional: KVEventPublisher.stats()
     }
 
 Prefix counters are per namespace from ``prefix.namespaces``; a pool without
@@ -55,7 +55,6 @@ kvd_admission_refusals_total               counter    code: refused requests
 kvd_sessions                               gauge      connected client sessions
 kvd_events_total                           counter    KV events published
 kvd_event_batches_total                    counter    KV event batches published
-kvd_event_batches_dropped_total            counter    batches the PUB socket could not take
 kvd_event_replays_total                    counter    replay requests served
 kvd_request_duration_seconds               histogram  kind: request handling time
 kvd_stats_up                               gauge      1 when the last snapshot was read
@@ -131,7 +130,6 @@ _PREFIX_COUNTERS: Final = (
 _EVENT_COUNTERS: Final = (
     ("events", "kvd_events", "KV events published."),
     ("batches", "kvd_event_batches", "KV event batches published."),
-    ("dropped", "kvd_event_batches_dropped", "KV event batches the PUB socket could not take."),
     ("replays", "kvd_event_replays", "KV event replay requests served."),
 )
 

@@ -113,12 +113,11 @@ def test_event_counters_only_when_the_section_exists(serve: Any) -> None:
     assert not any(name.startswith("kvd_event") for name, _ in _scrape(serve(_snapshot)))
 
     def with_events() -> dict[str, Any]:
-        return {"events": {"events": 40, "batches": 6, "dropped": 1, "replays": 2}}
+        return {"events": {"events": 40, "batches": 6, "replays": 2}}
 
     samples = _scrape(serve(with_events))
     assert samples[("kvd_events_total", ())] == 40
     assert samples[("kvd_event_batches_total", ())] == 6
-    assert samples[("kvd_event_batches_dropped_total", ())] == 1
     assert samples[("kvd_event_replays_total", ())] == 2
 
 

@@ -1,0 +1,550 @@
+"""kvd.server.kvevents: real SUB and DEALER sockets receive what it publishes, in vLLM's format."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvd.engine.hashing import BlockHasher, event_id
+from kvd.server.kvevents import END_SEQ, MEDIUM_GPU, EventChannel, KVEventPublisher
+
+BS = 16
+#: DESIGN.md section 5: block 0 of tokens 0..15, vLLM 0.33.0's sha256_cbor, no extras.
+BLOCK0_EVENT_ID = 2233398808101521225
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _publisher(ctx: zmq.Context[zmq.Socket[bytes]], **kwargs: Any) -> KVEventPublisher:
+    return KVEventPublisher(
+        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=ctx, **kwargs
+    )
+
+
+def _subscribe(ctx: zmq.Context[zmq.Socket[bytes]], pub: KVEventPublisher) -> zmq.Socket[bytes]:
+    """A SUB that is known to receive: probe batches until one arrives, then drain them."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    probe = pub.channel(topic="probe")
+    for _ in range(500):
+        probe.append_cleared()
+        pub.flush()
+        if sub.poll(10):
+            break
+    else:
+        pytest.fail("the subscriber never connected")
+    last = (pub.next_seq - 1).to_bytes(8, "big")
+    while sub.recv_multipart()[1] != last:
+        pass
+    return sub
+
+
+def _recv(sock: zmq.Socket[bytes]) -> list[bytes]:
+    assert sock.poll(5000), "nothing received"
+    return sock.recv_multipart()
+
+
+def _replay(
+    pub: KVEventPublisher, ctx: zmq.Context[zmq.Socket[bytes]], start: int, **kw: Any
+) -> list[list[bytes]]:
+    """Ask for a replay as vLLM's subscribers do (DEALER, empty delimiter); all replies."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(str(pub.replay_endpoint))
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    replies: list[list[bytes]] = []
+    for _ in range(2000):
+        pub.serve_replay(**kw)
+        while dealer.poll(1):
+            frames = dealer.recv_multipart()
+            replies.append(frames)
+            if END_SEQ in frames:
+                dealer.close()
+                return replies
+    pytest.fail(f"no end marker after {len(replies)} replies")
+
+
+def _keys(tokens: range, parent: bytes | None = None, first_block: int = 0) -> list[bytes]:
+    return BlockHasher(BS).keys(np.array(tokens, dtype=np.int32), parent, first_block=first_block)
+
+
+def _stored(
+    keys: list[bytes], parent: bytes | None, tokens: range, adapter: str | None = None
+) -> BlockStored:
+    tokens_array = np.array(tokens, dtype=np.int32)
+    return BlockStored(keys, parent, tokens_array, block_size=BS, namespace="", adapter=adapter)
+
+
+def _decode(payload: bytes) -> Any:
+    return msgpack.unpackb(payload)
+
+
+def test_sub_receives_three_frames_in_vllm_format(ctx: Any) -> None:
+    pub = _publisher(ctx, clock=lambda: 1234.5)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(topic="kv@node-1@llama")
+    keys = _keys(range(32))
+    channel.extend([_stored(keys, None, range(32))])
+    seq = pub.next_seq
+    assert pub.flush() == 1
+
+    topic, seq_bytes, payload = _recv(sub)
+    assert topic == b"kv@node-1@llama"
+    assert seq_bytes == seq.to_bytes(8, "big")
+    assert _decode(payload) == [
+        1234.5,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [BLOCK0_EVENT_ID, event_id(keys[1])],
+                "parent_block_hash": None,
+                "token_ids": list(range(32)),
+                "block_size": BS,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+            }
+        ],
+        0,
+    ]
+    pub.close()
+
+
+def test_removed_and_cleared_events(ctx: Any) -> None:
+    pub = _publisher(ctx, data_parallel_rank=3)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(medium=MEDIUM_GPU)
+    keys = _keys(range(32))
+    channel.extend([BlockRemoved(keys), AllBlocksCleared()])
+    pub.flush()
+    _, _, payload = _recv(sub)
+    _, events, rank = _decode(payload)
+    assert rank == 3
+    assert events == [
+        {"type": "BlockRemoved", "block_hashes": [event_id(k) for k in keys], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ]
+    pub.close()
+
+
+def test_payload_is_byte_identical_to_vllms_msgspec_encoding(ctx: Any) -> None:
+    msgspec = pytest.importorskip("msgspec", reason="msgspec encodes vLLM's own structs")
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class Stored(KVCacheEvent, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[Any] | None = None
+        group_idx: int | None = None
+
+    class Removed(KVCacheEvent, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: str | None
+        group_idx: int | None = None
+
+    class Cleared(KVCacheEvent, tag="AllBlocksCleared"):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[Stored | Removed | Cleared]
+
+    pub = _publisher(ctx, clock=lambda: 7.25)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    head = _keys(range(16))
+    tail = _keys(range(16, 48), parent=head[0], first_block=1)
+    channel.extend(
+        [
+            _stored(head, None, range(16), adapter="sql-lora"),
+            BlockRemoved(tail),
+            _stored(tail, head[0], range(16, 48)),
+            AllBlocksCleared(),
+        ]
+    )
+    pub.flush()
+    payload = _recv(sub)[2]
+
+    decoded = msgspec.msgpack.decode(payload, type=KVEventBatch)
+    expected = KVEventBatch(
+        ts=7.25,
+        events=[
+            Stored([event_id(head[0])], None, list(range(16)), BS, None, "CPU", "sql-lora"),
+            Removed([event_id(k) for k in tail], "CPU"),
+            Stored(
+                [event_id(k) for k in tail],
+                event_id(head[0]),
+                list(range(16, 48)),
+                BS,
+                None,
+                "CPU",
+                None,
+            ),
+            Cleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert decoded == expected
+    assert msgspec.msgpack.encode(expected) == payload
+    pub.close()
+
+
+def test_legacy_format_is_byte_identical_to_vllm_0_23(ctx: Any) -> None:
+    msgspec = pytest.importorskip("msgspec", reason="msgspec encodes vLLM's own structs")
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStoredV(KVCacheEvent, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class BlockRemovedV(KVCacheEvent, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: str | None
+
+    class AllBlocksClearedV(KVCacheEvent, tag="AllBlocksCleared"):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStoredV | BlockRemovedV | AllBlocksClearedV]
+
+    pub = _publisher(ctx, clock=lambda: 1.0, wire_format="vllm-legacy")
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    keys = _keys(range(32))
+    channel.extend([_stored(keys, None, range(32)), BlockRemoved(keys[1:]), AllBlocksCleared()])
+    pub.flush()
+    payload = _recv(sub)[2]
+    expected = KVEventBatch(
+        ts=1.0,
+        events=[
+            BlockStoredV([event_id(k) for k in keys], None, list(range(32)), BS, None, "CPU", None),
+            BlockRemovedV([event_id(keys[1])], "CPU"),
+            AllBlocksClearedV(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert msgspec.msgpack.decode(payload, type=KVEventBatch) == expected
+    assert msgspec.msgpack.encode(expected) == payload
+    pub.close()
+
+
+def test_consecutive_removals_become_one_event(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    a, b = _keys(range(32)), _keys(range(100, 132))
+    channel.extend([BlockRemoved(a[:1]), BlockRemoved(a[1:]), BlockRemoved(b)])
+    pub.flush()
+    (event,) = _decode(_recv(sub)[2])[1]
+    assert event["block_hashes"] == [event_id(k) for k in a + b]
+    pub.close()
+
+
+def test_stores_that_continue_a_chain_become_one_event(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    keys = _keys(range(48))
+    other = _keys(range(500, 516))
+    channel.extend(
+        [
+            _stored(keys[:1], None, range(16)),
+            _stored(keys[1:], keys[0], range(16, 48)),
+            _stored(other, None, range(500, 516)),  # a new chain: its own event
+        ]
+    )
+    pub.flush()
+    first, second = _decode(_recv(sub)[2])[1]
+    assert first["block_hashes"] == [event_id(k) for k in keys]
+    assert first["parent_block_hash"] is None
+    assert first["token_ids"] == list(range(48))
+    assert second["block_hashes"] == [event_id(other[0])]
+    pub.close()
+
+
+def test_stores_with_different_adapters_stay_apart(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    keys = _keys(range(32))
+    channel.extend(
+        [_stored(keys[:1], None, range(16)), _stored(keys[1:], keys[0], range(16, 32), "lora-a")]
+    )
+    pub.flush()
+    events = _decode(_recv(sub)[2])[1]
+    assert [e["lora_name"] for e in events] == [None, "lora-a"]
+    pub.close()
+
+
+def test_order_between_removal_and_store_is_kept(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    keys = _keys(range(16))
+    channel.extend([BlockRemoved(keys), _stored(keys, None, range(16)), BlockRemoved(keys)])
+    pub.flush()
+    events = _decode(_recv(sub)[2])[1]
+    assert [e["type"] for e in events] == ["BlockRemoved", "BlockStored", "BlockRemoved"]
+    pub.close()
+
+
+def test_sequence_numbers_increase_by_one_per_batch_across_channels(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    first, second = pub.channel(topic="pool-a"), pub.channel(topic="pool-b")
+    start = pub.next_seq
+    for _ in range(3):
+        first.append_cleared()
+        second.append_cleared()
+        assert pub.flush() == 2
+    received = [_recv(sub) for _ in range(6)]
+    assert [int.from_bytes(f[1], "big") for f in received] == list(range(start, start + 6))
+    assert [f[0] for f in received] == [b"pool-a", b"pool-b"] * 3
+    pub.close()
+
+
+def test_nothing_pending_sends_nothing(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    pub.channel()
+    before = pub.next_seq
+    assert pub.flush() == 0
+    assert pub.next_seq == before
+    pub.close()
+
+
+def test_request_path_only_queues(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel()
+    channel.extend([BlockRemoved(_keys(range(16)))])
+    channel.append(AllBlocksCleared())
+    assert channel.pending == 2
+    assert pub.stats()["batches"] == 0
+    pub.flush()
+    assert channel.pending == 0
+    assert pub.stats()["batches"] == 1
+    pub.close()
+
+
+def test_replay_returns_missed_batches_with_topic_then_end_marker(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel(topic="kv")
+    start = pub.next_seq
+    for _ in range(5):
+        channel.append_cleared()
+        pub.flush()
+    replies = _replay(pub, ctx, start + 2)
+    assert replies[-1] == [b"", b"", END_SEQ, b""]
+    batches = replies[:-1]
+    assert [f[0] for f in batches] == [b""] * 3  # the delimiter frame
+    assert [f[1] for f in batches] == [b"kv"] * 3
+    assert [int.from_bytes(f[2], "big") for f in batches] == [start + 2, start + 3, start + 4]
+    assert all(_decode(f[3])[1] == [{"type": "AllBlocksCleared"}] for f in batches)
+    assert pub.stats()["replays"] == 1
+    pub.close()
+
+
+def test_replayed_payloads_equal_the_published_ones(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    start = pub.next_seq
+    channel.extend([_stored(_keys(range(32)), None, range(32))])
+    pub.flush()
+    live = _recv(sub)
+    (replayed, _) = _replay(pub, ctx, start)
+    assert replayed[1:] == live
+    pub.close()
+
+
+def test_legacy_replay_has_no_topic_frame(ctx: Any) -> None:
+    pub = _publisher(ctx, wire_format="vllm-legacy")
+    channel = pub.channel(topic="kv")
+    start = pub.next_seq
+    channel.append_cleared()
+    pub.flush()
+    replies = _replay(pub, ctx, start)
+    assert [f[:2] for f in replies[:-1]] == [[b"", start.to_bytes(8, "big")]]
+    assert replies[-1] == [b"", END_SEQ, b""]
+    pub.close()
+
+
+def test_ring_buffer_keeps_the_newest_batches(ctx: Any) -> None:
+    pub = _publisher(ctx, buffer=3)
+    channel = pub.channel()
+    for _ in range(5):
+        channel.append_cleared()
+        pub.flush()
+    seqs = [int.from_bytes(f[2], "big") for f in _replay(pub, ctx, 0)[:-1]]
+    assert seqs == [2, 3, 4]
+    assert pub.stats()["buffered"] == 3
+    pub.close()
+
+
+def test_ring_buffer_is_bounded_in_bytes(ctx: Any) -> None:
+    pub = _publisher(ctx, buffer_bytes=1000)
+    channel = pub.channel()
+    keys = _keys(range(16 * 20))
+    for _ in range(10):
+        channel.extend([BlockRemoved(keys)])  # about 200 bytes per batch
+        pub.flush()
+    stats = pub.stats()
+    assert stats["buffered_bytes"] <= 1000
+    assert 0 < stats["buffered"] < 10
+    seqs = [int.from_bytes(f[2], "big") for f in _replay(pub, ctx, 0)[:-1]]
+    assert seqs == list(range(10 - stats["buffered"], 10))
+    pub.close()
+
+
+def test_replay_from_the_future_returns_only_the_end_marker(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel()
+    channel.append_cleared()
+    pub.flush()
+    assert _replay(pub, ctx, pub.next_seq + 100) == [[b"", b"", END_SEQ, b""]]
+    pub.close()
+
+
+def test_long_replay_is_spread_over_calls(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel()
+    for _ in range(10):
+        channel.append_cleared()
+        pub.flush()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(str(pub.replay_endpoint))
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    sent = []
+    for _ in range(2000):
+        sent.append(pub.serve_replay(budget=4))
+        if sum(sent) == 11:
+            break
+        dealer.poll(1)
+    assert [n for n in sent if n] == [4, 4, 3]
+    replies = [dealer.recv_multipart() for _ in range(11)]
+    assert replies[-1][2] == END_SEQ
+    dealer.close()
+    pub.close()
+
+
+def test_bad_replay_request_is_ignored_and_counted(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel()
+    channel.append_cleared()
+    pub.flush()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(str(pub.replay_endpoint))
+    dealer.send_multipart([b"", b"short"])
+    for _ in range(2000):
+        pub.serve_replay()
+        if pub.stats()["invalid"]:
+            break
+        dealer.poll(1)
+    assert pub.stats()["invalid"] == 1
+    assert not dealer.poll(20)
+    dealer.close()
+    # The socket keeps serving good requests.
+    assert _replay(pub, ctx, 0)[-1][2] == END_SEQ
+    pub.close()
+
+
+def test_unknown_event_is_skipped_and_counted(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    channel.extend([object(), AllBlocksCleared()])
+    pub.flush()
+    assert _decode(_recv(sub)[2])[1] == [{"type": "AllBlocksCleared"}]
+    assert pub.stats()["invalid"] == 1
+    pub.close()
+
+
+def test_run_flushes_periodically_and_on_cancel(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pub.run, 0.001)
+            channel.append_cleared()
+            while not sub.poll(0):
+                await anyio.sleep(0.001)
+            sub.recv_multipart()
+            channel.append_cleared()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert _decode(_recv(sub)[2])[1] == [{"type": "AllBlocksCleared"}]
+    assert channel.pending == 0
+    pub.close()
+
+
+def test_close_sends_what_is_pending(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    channel.append_cleared()
+    pub.close()
+    assert _decode(_recv(sub)[2])[1] == [{"type": "AllBlocksCleared"}]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"buffer": 0}, "buffer"),
+        ({"buffer_bytes": 0}, "buffer_bytes"),
+        ({"wire_format": "x"}, "wire_format"),
+    ],
+)
+def test_bad_arguments_are_refused(ctx: Any, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _publisher(ctx, **kwargs)
+
+
+def test_endpoint_in_use_raises_and_leaks_no_socket(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    with pytest.raises(zmq.ZMQError):
+        KVEventPublisher("tcp://127.0.0.1:*", replay_endpoint=pub.endpoint, context=ctx)
+    pub.close()
+    # Every socket is closed, so the context terminates at once.
+    ctx.term()
+
+
+def test_channel_topic_accepts_bytes(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    assert isinstance(pub.channel(topic=b"raw"), EventChannel)
+    assert pub.channel(topic=b"raw").topic == b"raw"
+    pub.close()
