@@ -548,3 +548,23 @@ def test_channel_topic_accepts_bytes(ctx: Any) -> None:
     assert isinstance(pub.channel(topic=b"raw"), EventChannel)
     assert pub.channel(topic=b"raw").topic == b"raw"
     pub.close()
+
+
+def test_flush_cap_splits_a_backlog_into_ordered_batches(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel()
+    keys = _keys(range(16 * 5))
+    channel.extend([BlockRemoved([key]) for key in keys])
+    assert pub.flush(max_events=2) == 1
+    assert pub.pending == 3
+    while pub.pending:
+        pub.flush(max_events=2)
+    batches = [_decode(_recv(sub)[2])[1] for _ in range(3)]
+    hashes = [event["block_hashes"] for batch in batches for event in batch]
+    assert hashes == [
+        [event_id(k) for k in keys[:2]],
+        [event_id(k) for k in keys[2:4]],
+        [event_id(keys[4])],
+    ]
+    pub.close()
