@@ -22,6 +22,7 @@ import contextlib
 import errno
 import mmap
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -94,6 +95,9 @@ class ShmPool:
         self.prefault_s = 0.0
         self.prefault_method = "none"
         self.hugepages = False
+        # A restarted daemon recreates the same path: the token tells clients
+        # that a handle with an equal path is a new file to map again.
+        self.token = secrets.token_hex(8)
 
     @classmethod
     def create(
@@ -182,8 +186,17 @@ class ShmPool:
         return memoryview(self._mm)
 
     def handle(self) -> dict[str, Any]:
-        """``{"backend": "shm", "path", "size", "offset": 0}`` for the hello reply."""
-        return {"backend": "shm", "path": str(self._path), "size": self.size, "offset": 0}
+        """``{"backend": "shm", "path", "size", "offset": 0, "token"}`` for the hello reply.
+
+        ``token`` is random per segment: equal handles mean the same file.
+        """
+        return {
+            "backend": "shm",
+            "path": str(self._path),
+            "size": self.size,
+            "offset": 0,
+            "token": self.token,
+        }
 
     def info(self) -> dict[str, Any]:
         """Path, size and start-up timings."""

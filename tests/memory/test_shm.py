@@ -71,12 +71,24 @@ def test_handle_describes_the_mapping(instance: str) -> None:
             "path": str(pool.path),
             "size": TINY.total_bytes,
             "offset": 0,
+            "token": pool.token,
         }
         info = pool.info()
         assert info["prefault_method"] in ("populate_write", "touch")
         assert info["prefault_ms"] >= 0
     finally:
         pool.close()
+
+
+def test_each_segment_has_its_own_token(instance: str) -> None:
+    a = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    a.close()
+    b = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    try:
+        assert a.handle()["path"] == b.handle()["path"]
+        assert a.handle() != b.handle()
+    finally:
+        b.close()
 
 
 def test_bytes_written_by_daemon_are_seen_by_another_mapping(instance: str) -> None:

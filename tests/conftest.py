@@ -1,0 +1,176 @@
+"""Shared fixtures: a real daemon subprocess on a private ipc socket with a tiny pool.
+
+``kvd_daemon`` starts ``python -m kvd.cli`` on ``ipc:///tmp/kvd-t-XXXX/kvd.sock``
+(short: Unix socket paths are limited to 107 bytes), waits until it answers
+PING, and stops it at teardown: SIGTERM, then SIGKILL if it does not exit,
+then removes whatever it left (socket, shm segments). ``start_kvd`` starts
+more (or restarts one on the same address).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from kvd_client import protocol as P
+
+from kvd.memory.shm import remove_stale
+from kvd.server.transport import instance_id
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A pool of 64 blocks of 16 tokens, 2 layers x 2 heads x 16 dims of float16 (2 MiB file).
+TINY_POOL = {
+    "pools.0.num_blocks": "64",
+    "pools.0.num_layers": "2",
+    "pools.0.num_kv_heads": "2",
+    "pools.0.head_dim": "16",
+    "pools.0.block_size": "16",
+}
+#: How long a daemon may take to answer its first PING (the machine is shared).
+READY_TIMEOUT_S = 30.0
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without KVD_* settings of whoever runs the tests."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+
+
+def raw_call(address: str, frames: list[bytes], timeout_ms: int = 5000) -> Any:
+    """One request on a fresh DEALER; the decoded reply (None on timeout)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(frames)
+        if not sock.poll(timeout_ms):
+            return None
+        return P.decode_reply(sock.recv_multipart())
+    finally:
+        sock.close(0)
+
+
+class KvdProcess:
+    """A daemon subprocess and its files."""
+
+    def __init__(self, address: str, workdir: Path, args: list[str], env: dict[str, str]):
+        self.address = address
+        self.workdir = workdir
+        self.args = args
+        self.instance = instance_id(address)
+        self.log_path = workdir / f"kvd-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> int:
+        """Wait for the first PING answer; returns the epoch."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+            reply = raw_call(self.address, P.Ping(id=1).encode(), timeout_ms=200)
+            if isinstance(reply, P.OkReply):
+                return int(reply.result["epoch"])
+        raise AssertionError(f"kvd did not answer within {READY_TIMEOUT_S} s:\n{self.log()}")
+
+    def call(self, req: P.Request | list[bytes]) -> Any:
+        frames = req if isinstance(req, list) else req.encode()
+        return raw_call(self.address, frames)
+
+    def stats(self) -> dict[str, Any]:
+        reply = self.call(P.Stats(id=1))
+        assert isinstance(reply, P.OkReply), reply
+        info: dict[str, Any] = reply.result["info"]
+        return info
+
+    def check(self) -> dict[str, Any]:
+        reply = self.call(P.Check(id=1))
+        assert isinstance(reply, P.OkReply), reply
+        return reply.result
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; SIGKILL when it does not exit. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def kvd_workdir() -> Iterator[Path]:
+    """A short private directory for sockets and logs."""
+    path = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+StartKvd = Callable[..., KvdProcess]
+
+
+@pytest.fixture
+def start_kvd(kvd_workdir: Path) -> Iterator[StartKvd]:
+    """``start_kvd(*args, address=None, overrides=None, wait=True)`` -> a running `KvdProcess`."""
+    started: list[KvdProcess] = []
+    default_address = f"ipc://{kvd_workdir / 'kvd.sock'}"
+
+    def start(
+        *extra: str,
+        address: str | None = None,
+        overrides: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> KvdProcess:
+        address = address or default_address
+        settings = TINY_POOL | {"metrics.enabled": "false"} | (overrides or {})
+        args = ["--address", address, "--log-format", "json"]
+        for key, value in settings.items():
+            args += ["--set", f"{key}={value}"]
+        daemon = KvdProcess(address, kvd_workdir, [*args, *extra], clean_env())
+        started.append(daemon)
+        if wait:
+            daemon.wait_ready()
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+        remove_stale("/dev/shm", daemon.instance)
+
+
+@pytest.fixture
+def kvd_daemon(start_kvd: StartKvd) -> KvdProcess:
+    """A running daemon with the tiny pool."""
+    return start_kvd()

@@ -1,0 +1,131 @@
+"""kvd.server.daemon: the real daemon process, from start to drain."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+import numpy as np
+import zmq
+from conftest import KvdProcess, StartKvd
+from kvd_client import protocol as P
+
+from kvd.memory.shm import segment_path
+
+
+def test_starts_with_socket_0660_and_pool_segment(kvd_daemon: KvdProcess) -> None:
+    path = Path(kvd_daemon.address.removeprefix("ipc://"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    segment = segment_path("/dev/shm", kvd_daemon.instance, "default")
+    assert stat.S_IMODE(segment.stat().st_mode) == 0o660
+    stats = kvd_daemon.stats()
+    assert stats["server"]["pid"] == kvd_daemon.pid
+    assert stats["blocks"]["default"]["total"] == 64
+
+
+def test_sigterm_drains_and_removes_socket_and_segment(kvd_daemon: KvdProcess) -> None:
+    path = Path(kvd_daemon.address.removeprefix("ipc://"))
+    segment = segment_path("/dev/shm", kvd_daemon.instance, "default")
+    assert kvd_daemon.stop() == 0
+    assert not path.exists()
+    assert not segment.exists()
+    log = kvd_daemon.log()
+    assert '"draining"' in log
+    assert '"stopped"' in log
+
+
+def test_second_daemon_on_the_same_socket_refuses_to_start(start_kvd: StartKvd) -> None:
+    first = start_kvd()
+    second = start_kvd(wait=False)
+    assert second.proc.wait(30) == 1
+    lines = [ln for ln in second.log().splitlines() if ln.startswith("kvd: ")]
+    assert lines == [f"kvd: another kvd is serving {first.address}; stop it first"]
+    # the first one is untouched and still serving
+    assert first.check()["ok"] is True
+
+
+def test_stale_socket_and_segments_are_replaced(start_kvd: StartKvd) -> None:
+    first = start_kvd()
+    first.signal(signal.SIGKILL)
+    first.proc.wait()
+    path = Path(first.address.removeprefix("ipc://"))
+    segment = segment_path("/dev/shm", first.instance, "default")
+    assert path.exists() and segment.exists()  # what a crash leaves behind
+    second = start_kvd()
+    assert second.check()["ok"] is True
+    assert '"stale_segments_removed"' in second.log()
+
+
+def test_pool_too_large_is_one_line_and_exit_1(start_kvd: StartKvd) -> None:
+    huge = start_kvd(overrides={"pools.0.num_blocks": str(2**31 - 1)}, wait=False)
+    assert huge.proc.wait(30) == 1
+    (line,) = [ln for ln in huge.log().splitlines() if ln.startswith("kvd: ")]
+    assert "pool 'default'" in line
+    assert "does not fit" in line
+
+
+def test_budget_refuses_a_pool_set_above_it(start_kvd: StartKvd) -> None:
+    d = start_kvd(overrides={"memory.budget_bytes": str(1024 * 1024)}, wait=False)
+    assert d.proc.wait(30) == 1
+    (line,) = [ln for ln in d.log().splitlines() if ln.startswith("kvd: ")]
+    assert "memory.budget_bytes" in line
+
+
+def test_drain_waits_for_running_sequences_then_exits(kvd_daemon: KvdProcess) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(kvd_daemon.address)
+
+    def call(req: P.Request) -> object:
+        sock.send_multipart(req.encode())
+        assert sock.poll(10_000)
+        return P.decode_reply(sock.recv_multipart())
+
+    try:
+        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        assert isinstance(call(hello), P.OkReply)
+        tokens = np.arange(20, dtype=np.int32)
+        assert isinstance(call(P.Allocate(id=2, seq="s", tokens=tokens, reserve=64)), P.OkReply)
+        kvd_daemon.signal(signal.SIGTERM)
+        # New work is refused, the running sequence may grow and finish.
+        refused = call(P.Allocate(id=3, seq="t", tokens=tokens))
+        while isinstance(refused, P.OkReply):  # the signal may not have landed yet
+            assert isinstance(call(P.Free(id=4, seq="t")), P.OkReply)
+            refused = call(P.Allocate(id=3, seq="t", tokens=tokens))
+        assert isinstance(refused, P.ErrorReply)
+        assert refused.code == P.Code.SHUTTING_DOWN
+        appended = call(P.Append(id=5, seq="s", tokens=tokens[:4]))
+        assert isinstance(appended, P.OkReply)
+        assert kvd_daemon.proc.poll() is None  # still draining: a sequence is held
+        assert isinstance(call(P.Free(id=6, seq="s")), P.OkReply)
+        assert kvd_daemon.proc.wait(30) == 0
+        assert '"drained"' in kvd_daemon.log()
+    finally:
+        sock.close(0)
+
+
+def test_second_signal_exits_at_once(kvd_daemon: KvdProcess) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(kvd_daemon.address)
+    try:
+        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        sock.send_multipart(hello.encode())
+        sock.recv_multipart()
+        tokens = np.arange(20, dtype=np.int32)
+        sock.send_multipart(P.Allocate(id=2, seq="s", tokens=tokens).encode())
+        sock.recv_multipart()
+        kvd_daemon.signal(signal.SIGTERM)
+        # wait until the daemon reports draining, then signal again
+        while kvd_daemon.stats()["server"]["state"] != "draining":
+            pass
+        kvd_daemon.signal(signal.SIGINT)
+        assert kvd_daemon.proc.wait(30) == 0
+        assert '"exit_now"' in kvd_daemon.log()
+        assert not Path(kvd_daemon.address.removeprefix("ipc://")).exists()
+    finally:
+        sock.close(0)
