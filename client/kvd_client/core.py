@@ -296,7 +296,7 @@ class Session:
             )
 
     def hello(self) -> Op[HelloResult]:
-        """Open (or re-open) the session; keeps the pool mapping when memory is unchanged."""
+        """Open (or re-open) the session."""
         self.require_session()
         ident = self.identity
         assert ident.pool is not None
@@ -316,10 +316,10 @@ class Session:
             layout = PoolLayout.from_dict(res.layout)
         except (ValueError, TypeError) as exc:
             raise InternalError(f"the daemon sent a bad pool layout: {exc}") from None
-        if self._pool is not None and (
-            self._pool.memory != res.memory or self._pool.layout != layout
-        ):
-            self._pool = None
+        # Re-resolve the mapping lazily: the per-process cache (keyed by the
+        # file's identity) returns the same mapping for the same memory and a
+        # fresh one when a restarted daemon re-created it, even at the same path.
+        self._pool = None
         self.layout = layout
         self.hash_seed = res.hash_seed
         self.max_message_bytes = min(res.max_message_bytes, MAX_MESSAGE_BYTES)
@@ -330,6 +330,11 @@ class Session:
         """Attach first when the session was lost (the automatic re-attach)."""
         if self.info is None and self.identity.pool is not None:
             yield from self.hello()
+
+    def fence(self) -> None:
+        """Fence the pool mapping, when this process mapped it, before blocks change hands."""
+        if self._pool is not None:
+            self._pool.fence()
 
     def pool(self) -> PoolMapping:
         """The pool's memory in this process (mapped on first use, shared per process)."""
@@ -393,6 +398,7 @@ class Session:
             return
         try:
             yield from self.ensure()
+            self.fence()
             reply = yield _BatchRequest(self.next_id(), tuple(item.request for item in items))
             res = _result(BatchResult, reply)
             if len(res.results) != len(items):
@@ -483,6 +489,7 @@ class SeqState:
         """The first ``n`` tokens (all when None) are written."""
         self.check_alive()
         s = self.session
+        s.fence()
         req = Commit(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))
         res = _result(CommitResult, (yield req))
         self.committed = res.committed
@@ -528,6 +535,7 @@ class SeqState:
         """Keep the first ``n`` tokens."""
         self.check_alive()
         s = self.session
+        s.fence()
         res = _result(
             TruncateResult, (yield Truncate(id=s.next_id(), seq=self.seq_id, n=_count(n, "n")))
         )
@@ -541,6 +549,7 @@ class SeqState:
     def free(self) -> Op[None]:
         """Release the sequence (committed full blocks stay cached)."""
         self.check_alive()
+        self.session.fence()
         yield Free(id=self.session.next_id(), seq=self.seq_id)
         self.freed = True
 

@@ -141,6 +141,15 @@ class PoolMapping(abc.ABC):
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy block ``src[i]`` to ``dst[i]`` in every layer, K and V (copy-on-write)."""
 
+    @abc.abstractmethod
+    def fence(self) -> None:
+        """Wait until this process's queued reads and writes of the pool have finished.
+
+        The client calls it before ``commit``, ``truncate`` and ``free``, which
+        hand blocks to other processes. Memory written synchronously (shm)
+        needs nothing; device backends wait for their stream.
+        """
+
     def _check_blocks(self, *ids: Sequence[int]) -> None:
         n = self.layout.num_blocks
         for group in ids:
@@ -286,6 +295,9 @@ class ShmPool(PoolMapping):
         self._check_blocks(src, dst)
         slots = self._slots
         slots[:, :, np.asarray(dst)] = slots[:, :, np.asarray(src)]
+
+    def fence(self) -> None:
+        """Nothing to wait for: CPU writes through the mapping are done when they return."""
 
     def _torch(self, arr: npt.NDArray[Any]) -> torch.Tensor:
         import torch  # noqa: PLC0415 - optional dependency, imported on first torch view
