@@ -40,8 +40,7 @@ Wiring (everything runs on the event loop; sockets are used by that thread only)
 
     pub = KVEventPublisher("tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558",
                            buffer=10_000)
-    channel = pub.channel(topic="", medium=MEDIUM_CPU)   # one per pool
-    channel.append_cleared()       # at startup: routers forget what a previous run stored
+    channel = pub.channel(topic="", medium=MEDIUM_CPU)   # one per pool; queues AllBlocksCleared
     tg.start_soon(pub.run)         # flushes every 10 ms, answers replays
     ...
     channel.extend(engine.drain_events())               # request path: list.extend only
@@ -236,9 +235,18 @@ class KVEventPublisher:
         """The sequence number the next batch will carry."""
         return self._seq
 
-    def channel(self, topic: str | bytes = "", medium: str = MEDIUM_CPU) -> EventChannel:
-        """A channel for one pool's events (``medium``: `MEDIUM_CPU` or `MEDIUM_GPU`)."""
+    def channel(
+        self, topic: str | bytes = "", medium: str = MEDIUM_CPU, *, clear: bool = True
+    ) -> EventChannel:
+        """A channel for one pool's events (``medium``: `MEDIUM_CPU` or `MEDIUM_GPU`).
+
+        With ``clear`` (the default) its first batch is an ``AllBlocksCleared``:
+        a new pool holds nothing, and routers must forget what an earlier run
+        of the daemon published under this topic.
+        """
         channel = EventChannel(topic.encode() if isinstance(topic, str) else topic, medium)
+        if clear:
+            channel.append_cleared()
         self._channels.append(channel)
         return channel
 

@@ -36,7 +36,7 @@ def _subscribe(ctx: zmq.Context[zmq.Socket[bytes]], pub: KVEventPublisher) -> zm
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(pub.endpoint)
-    probe = pub.channel(topic="probe")
+    probe = pub.channel(clear=False, topic="probe")
     for _ in range(500):
         probe.append_cleared()
         pub.flush()
@@ -92,7 +92,7 @@ def _decode(payload: bytes) -> Any:
 def test_sub_receives_three_frames_in_vllm_format(ctx: Any) -> None:
     pub = _publisher(ctx, clock=lambda: 1234.5)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel(topic="kv@node-1@llama")
+    channel = pub.channel(clear=False, topic="kv@node-1@llama")
     keys = _keys(range(32))
     channel.extend([_stored(keys, None, range(32))])
     seq = pub.next_seq
@@ -123,7 +123,7 @@ def test_sub_receives_three_frames_in_vllm_format(ctx: Any) -> None:
 def test_removed_and_cleared_events(ctx: Any) -> None:
     pub = _publisher(ctx, data_parallel_rank=3)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel(medium=MEDIUM_GPU)
+    channel = pub.channel(clear=False, medium=MEDIUM_GPU)
     keys = _keys(range(32))
     channel.extend([BlockRemoved(keys), AllBlocksCleared()])
     pub.flush()
@@ -172,7 +172,7 @@ def test_payload_is_byte_identical_to_vllms_msgspec_encoding(ctx: Any) -> None:
 
     pub = _publisher(ctx, clock=lambda: 7.25)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     head = _keys(range(16))
     tail = _keys(range(16, 48), parent=head[0], first_block=1)
     channel.extend(
@@ -242,7 +242,7 @@ def test_legacy_format_is_byte_identical_to_vllm_0_23(ctx: Any) -> None:
 
     pub = _publisher(ctx, clock=lambda: 1.0, wire_format="vllm-legacy")
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(32))
     channel.extend([_stored(keys, None, range(32)), BlockRemoved(keys[1:]), AllBlocksCleared()])
     pub.flush()
@@ -264,7 +264,7 @@ def test_legacy_format_is_byte_identical_to_vllm_0_23(ctx: Any) -> None:
 def test_consecutive_removals_become_one_event(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     a, b = _keys(range(32)), _keys(range(100, 132))
     channel.extend([BlockRemoved(a[:1]), BlockRemoved(a[1:]), BlockRemoved(b)])
     pub.flush()
@@ -276,7 +276,7 @@ def test_consecutive_removals_become_one_event(ctx: Any) -> None:
 def test_stores_that_continue_a_chain_become_one_event(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(48))
     other = _keys(range(500, 516))
     channel.extend(
@@ -298,7 +298,7 @@ def test_stores_that_continue_a_chain_become_one_event(ctx: Any) -> None:
 def test_stores_with_different_adapters_stay_apart(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(32))
     channel.extend(
         [_stored(keys[:1], None, range(16)), _stored(keys[1:], keys[0], range(16, 32), "lora-a")]
@@ -312,7 +312,7 @@ def test_stores_with_different_adapters_stay_apart(ctx: Any) -> None:
 def test_order_between_removal_and_store_is_kept(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(16))
     channel.extend([BlockRemoved(keys), _stored(keys, None, range(16)), BlockRemoved(keys)])
     pub.flush()
@@ -324,7 +324,10 @@ def test_order_between_removal_and_store_is_kept(ctx: Any) -> None:
 def test_sequence_numbers_increase_by_one_per_batch_across_channels(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    first, second = pub.channel(topic="pool-a"), pub.channel(topic="pool-b")
+    first, second = (
+        pub.channel(clear=False, topic="pool-a"),
+        pub.channel(clear=False, topic="pool-b"),
+    )
     start = pub.next_seq
     for _ in range(3):
         first.append_cleared()
@@ -338,7 +341,7 @@ def test_sequence_numbers_increase_by_one_per_batch_across_channels(ctx: Any) ->
 
 def test_nothing_pending_sends_nothing(ctx: Any) -> None:
     pub = _publisher(ctx)
-    pub.channel()
+    pub.channel(clear=False)
     before = pub.next_seq
     assert pub.flush() == 0
     assert pub.next_seq == before
@@ -347,7 +350,7 @@ def test_nothing_pending_sends_nothing(ctx: Any) -> None:
 
 def test_request_path_only_queues(ctx: Any) -> None:
     pub = _publisher(ctx)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     channel.extend([BlockRemoved(_keys(range(16)))])
     channel.append(AllBlocksCleared())
     assert channel.pending == 2
@@ -360,7 +363,7 @@ def test_request_path_only_queues(ctx: Any) -> None:
 
 def test_replay_returns_missed_batches_with_topic_then_end_marker(ctx: Any) -> None:
     pub = _publisher(ctx)
-    channel = pub.channel(topic="kv")
+    channel = pub.channel(clear=False, topic="kv")
     start = pub.next_seq
     for _ in range(5):
         channel.append_cleared()
@@ -379,7 +382,7 @@ def test_replay_returns_missed_batches_with_topic_then_end_marker(ctx: Any) -> N
 def test_replayed_payloads_equal_the_published_ones(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     start = pub.next_seq
     channel.extend([_stored(_keys(range(32)), None, range(32))])
     pub.flush()
@@ -391,7 +394,7 @@ def test_replayed_payloads_equal_the_published_ones(ctx: Any) -> None:
 
 def test_legacy_replay_has_no_topic_frame(ctx: Any) -> None:
     pub = _publisher(ctx, wire_format="vllm-legacy")
-    channel = pub.channel(topic="kv")
+    channel = pub.channel(clear=False, topic="kv")
     start = pub.next_seq
     channel.append_cleared()
     pub.flush()
@@ -403,7 +406,7 @@ def test_legacy_replay_has_no_topic_frame(ctx: Any) -> None:
 
 def test_ring_buffer_keeps_the_newest_batches(ctx: Any) -> None:
     pub = _publisher(ctx, buffer=3)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     for _ in range(5):
         channel.append_cleared()
         pub.flush()
@@ -415,7 +418,7 @@ def test_ring_buffer_keeps_the_newest_batches(ctx: Any) -> None:
 
 def test_ring_buffer_is_bounded_in_bytes(ctx: Any) -> None:
     pub = _publisher(ctx, buffer_bytes=1000)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(16 * 20))
     for _ in range(10):
         channel.extend([BlockRemoved(keys)])  # about 200 bytes per batch
@@ -430,7 +433,7 @@ def test_ring_buffer_is_bounded_in_bytes(ctx: Any) -> None:
 
 def test_replay_from_the_future_returns_only_the_end_marker(ctx: Any) -> None:
     pub = _publisher(ctx)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     channel.append_cleared()
     pub.flush()
     assert _replay(pub, ctx, pub.next_seq + 100) == [[b"", b"", END_SEQ, b""]]
@@ -439,7 +442,7 @@ def test_replay_from_the_future_returns_only_the_end_marker(ctx: Any) -> None:
 
 def test_long_replay_is_spread_over_calls(ctx: Any) -> None:
     pub = _publisher(ctx)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     for _ in range(10):
         channel.append_cleared()
         pub.flush()
@@ -461,7 +464,7 @@ def test_long_replay_is_spread_over_calls(ctx: Any) -> None:
 
 def test_bad_replay_request_is_ignored_and_counted(ctx: Any) -> None:
     pub = _publisher(ctx)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     channel.append_cleared()
     pub.flush()
     dealer = ctx.socket(zmq.DEALER)
@@ -483,7 +486,7 @@ def test_bad_replay_request_is_ignored_and_counted(ctx: Any) -> None:
 def test_unknown_event_is_skipped_and_counted(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     channel.extend([object(), AllBlocksCleared()])
     pub.flush()
     assert _decode(_recv(sub)[2])[1] == [{"type": "AllBlocksCleared"}]
@@ -494,7 +497,7 @@ def test_unknown_event_is_skipped_and_counted(ctx: Any) -> None:
 def test_run_flushes_periodically_and_on_cancel(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -515,7 +518,7 @@ def test_run_flushes_periodically_and_on_cancel(ctx: Any) -> None:
 def test_close_sends_what_is_pending(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     channel.append_cleared()
     pub.close()
     assert _decode(_recv(sub)[2])[1] == [{"type": "AllBlocksCleared"}]
@@ -545,15 +548,15 @@ def test_endpoint_in_use_raises_and_leaks_no_socket(ctx: Any) -> None:
 
 def test_channel_topic_accepts_bytes(ctx: Any) -> None:
     pub = _publisher(ctx)
-    assert isinstance(pub.channel(topic=b"raw"), EventChannel)
-    assert pub.channel(topic=b"raw").topic == b"raw"
+    assert isinstance(pub.channel(clear=False, topic=b"raw"), EventChannel)
+    assert pub.channel(clear=False, topic=b"raw").topic == b"raw"
     pub.close()
 
 
 def test_flush_cap_splits_a_backlog_into_ordered_batches(ctx: Any) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
-    channel = pub.channel()
+    channel = pub.channel(clear=False)
     keys = _keys(range(16 * 5))
     channel.extend([BlockRemoved([key]) for key in keys])
     assert pub.flush(max_events=2) == 1
@@ -567,4 +570,16 @@ def test_flush_cap_splits_a_backlog_into_ordered_batches(ctx: Any) -> None:
         [event_id(k) for k in keys[2:4]],
         [event_id(keys[4])],
     ]
+    pub.close()
+
+
+def test_a_new_channel_first_tells_routers_to_forget(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(topic="pool")
+    channel.extend([BlockRemoved(_keys(range(16)))])
+    pub.flush()
+    topic, _, payload = _recv(sub)
+    assert topic == b"pool"
+    assert [e["type"] for e in _decode(payload)[1]] == ["AllBlocksCleared", "BlockRemoved"]
     pub.close()
