@@ -25,7 +25,7 @@ from kvd_client.layout import PoolLayout
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TinyConfig", "TinyLlama"]
+__all__ = ["SIZES", "TinyConfig", "TinyLlama"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,22 @@ class TinyConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+#: Named model sizes: ``tiny`` for tests (milliseconds per forward), ``demo``
+#: large enough that a long prompt's prefill takes visible time on a CPU.
+SIZES: dict[str, TinyConfig] = {
+    "tiny": TinyConfig(),
+    "demo": TinyConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+    ),
+}
 
 
 class _RMSNorm(nn.Module):

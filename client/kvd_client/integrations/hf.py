@@ -38,6 +38,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from kvd_client.errors import InvalidRequest
 from kvd_client.integrations.paged import gather_kv, write_kv
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ __all__ = ["KvdCache", "KvdCacheLayer", "check_model"]
 
 
 def _one_sequence() -> NoReturn:
-    raise ValueError(
+    raise InvalidRequest(
         "a KvdCache holds one sequence (batch 1): use KvdCache.fork for samples or beams"
     )
 
@@ -61,7 +62,7 @@ class _Shared:
 
     __slots__ = ("computed", "sequence", "tokens")
 
-    def __init__(self, sequence: Sequence, tokens: list[int]) -> None:
+    def __init__(self, sequence: Sequence[Client], tokens: list[int]) -> None:
         self.sequence = sequence
         #: The sequence's token ids, as kvd knows them.
         self.tokens = tokens
@@ -102,7 +103,7 @@ class KvdCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         n = key_states.shape[2]
         stop = self.length + n
         if stop > len(self._shared.tokens):
-            raise ValueError(
+            raise InvalidRequest(
                 f"K/V for {stop} tokens but the sequence has {len(self._shared.tokens)}: "
                 "call the model with this cache as its cache= argument, so it sees the tokens"
             )
@@ -132,12 +133,12 @@ class KvdCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
     def reset(self) -> None:
         """Refused: a pooled sequence is rolled back with `KvdCache.crop`, never zeroed."""
-        raise ValueError("a KvdCache cannot be reset: crop it, or close it and allocate anew")
+        raise InvalidRequest("a KvdCache cannot be reset: crop it, or close it and allocate anew")
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (`KvdCache.crop` truncates the sequence)."""
         if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count: the number of tokens to remove")
+            raise InvalidRequest("crop takes a negative count: the number of tokens to remove")
         self.length = max(0, self.length + tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -164,7 +165,7 @@ def _token_list(input_ids: torch.Tensor | Seq[int] | npt.NDArray[np.integer]) ->
 
 
 def check_model(model: PreTrainedModel, layout: PoolLayout) -> None:
-    """Raise ValueError unless ``model``'s K/V geometry and dtype are the pool's."""
+    """Raise `InvalidRequest` unless ``model``'s K/V geometry and dtype are the pool's."""
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -172,7 +173,7 @@ def check_model(model: PreTrainedModel, layout: PoolLayout) -> None:
     got = (cfg.num_hidden_layers, kv_heads, head_dim, dtype)
     want = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
     if got != want:
-        raise ValueError(
+        raise InvalidRequest(
             f"the model's (layers, kv heads, head_dim, dtype) {got} differ from the pool's {want}"
         )
 
@@ -210,7 +211,7 @@ class KvdCache(Cache):
         self,
         kv: Client,
         model: PreTrainedModel,
-        sequence: Sequence,
+        sequence: Sequence[Client],
         tokens: list[int],
         length: int,
     ) -> None:
@@ -228,7 +229,7 @@ class KvdCache(Cache):
         )
 
     @property
-    def sequence(self) -> Sequence:
+    def sequence(self) -> Sequence[Client]:
         """The kvd sequence behind this cache."""
         return self._shared.sequence
 
@@ -255,7 +256,7 @@ class KvdCache(Cache):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
-            raise ValueError("a KvdCache needs input_ids: kvd names its blocks by token ids")
+            raise InvalidRequest("a KvdCache needs input_ids: kvd names its blocks by token ids")
         self._feed(_token_list(ids))
 
     def _feed(self, new: list[int]) -> None:
@@ -263,7 +264,7 @@ class KvdCache(Cache):
         start = self.get_seq_length()
         known = shared.tokens[start : start + len(new)]
         if new[: len(known)] != known:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the tokens fed at position {start} differ from the sequence's: "
                 "pass the same prompt the cache was allocated with"
             )
@@ -276,7 +277,7 @@ class KvdCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (rejected speculative tokens)."""
         if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count: the number of tokens to remove")
+            raise InvalidRequest("crop takes a negative count: the number of tokens to remove")
         keep = max(0, self.get_seq_length() + tokens_to_remove)
         if keep < len(self._shared.tokens):
             self._shared.sequence.truncate(keep)
@@ -286,7 +287,7 @@ class KvdCache(Cache):
     def fork(self, seq_id: str, *, reserve: int | None = None) -> KvdCache:
         """A new cache on a child sequence sharing every block written so far."""
         if self.get_seq_length() != len(self._shared.tokens):
-            raise ValueError("fork a KvdCache between forwards, once its tokens are written")
+            raise InvalidRequest("fork a KvdCache between forwards, once its tokens are written")
         child = self._shared.sequence.fork(seq_id, reserve=reserve)
         forked = KvdCache.__new__(KvdCache)
         forked._attach(

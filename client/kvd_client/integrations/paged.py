@@ -10,7 +10,8 @@ a sequence's K/V back for attention; they accept any strides, so both
 Shapes follow the token-major convention of paged kernels: one sequence,
 ``[tokens, heads, head_dim]``. Attention is causal, supports grouped-query
 attention (query head ``h`` reads KV head ``h // (Hq // Hkv)``, as in
-Hugging Face's ``repeat_kv``) and computes in the inputs' dtype.
+Hugging Face's ``repeat_kv``) and computes in the inputs' dtype. Misuse
+raises `InvalidRequest` (code ``INVALID``) before anything is written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from kvd_client.errors import InvalidRequest
 
 __all__ = [
     "BlockTable",
@@ -34,7 +37,7 @@ BlockTable = npt.NDArray[np.integer] | torch.Tensor | list[int]
 
 def _check_layer(layer: torch.Tensor) -> None:
     if layer.dim() != 5 or layer.shape[0] != 2:
-        raise ValueError(
+        raise InvalidRequest(
             "a pool layer is [2, num_blocks, block_size, num_kv_heads, head_dim], "
             f"got shape {tuple(layer.shape)}"
         )
@@ -45,15 +48,20 @@ def slot_indices(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block ids and slots of token positions ``[start, stop)``, as int64 tensors.
 
-    Raises ValueError when the range is empty-negative or runs past the table.
+    Raises `InvalidRequest` when the range is negative or runs past the table.
     """
-    table = torch.as_tensor(block_table)
+    # Tables arrive as read-only int32 arrays; torch wants its own (writable) int64 copy.
+    table = (
+        block_table
+        if isinstance(block_table, torch.Tensor)
+        else torch.from_numpy(np.array(block_table, dtype=np.int64))
+    )
     if table.dim() != 1:
-        raise ValueError(f"a block table is 1-D, got shape {tuple(table.shape)}")
+        raise InvalidRequest(f"a block table is 1-D, got shape {tuple(table.shape)}")
     if not 0 <= start <= stop:
-        raise ValueError(f"bad token range [{start}, {stop})")
+        raise InvalidRequest(f"bad token range [{start}, {stop})")
     if stop > table.numel() * block_size:
-        raise ValueError(
+        raise InvalidRequest(
             f"token {stop - 1} lies past the block table ({table.numel()} blocks of {block_size})"
         )
     positions = torch.arange(start, stop, device=device)
@@ -72,7 +80,7 @@ def write_kv(
     _check_layer(layer)
     expected = tuple(layer.shape[3:])
     if key.dim() != 3 or tuple(key.shape[1:]) != expected or key.shape != value.shape:
-        raise ValueError(
+        raise InvalidRequest(
             f"key/value must be [n, {expected[0]}, {expected[1]}], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
@@ -109,7 +117,7 @@ def causal_attention(
     q_len, num_heads, _ = query.shape
     total, num_kv_heads, _ = key.shape
     if num_heads % num_kv_heads or q_len > total or key.shape != value.shape:
-        raise ValueError(
+        raise InvalidRequest(
             f"query {tuple(query.shape)} does not fit key {tuple(key.shape)} / "
             f"value {tuple(value.shape)}"
         )
