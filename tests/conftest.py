@@ -131,6 +131,12 @@ class KvdProcess:
 
 
 @pytest.fixture
+def kvd_env() -> dict[str, str]:
+    """Environment for daemon and client subprocesses (no KVD_* of the caller)."""
+    return clean_env()
+
+
+@pytest.fixture
 def kvd_workdir() -> Iterator[Path]:
     """A short private directory for sockets and logs."""
     path = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))

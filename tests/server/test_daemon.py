@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from conftest import KvdProcess, StartKvd
 from kvd_client import protocol as P
 
 from kvd.memory.shm import segment_path
 
 
-def test_starts_with_socket_0660_and_pool_segment(kvd_daemon: KvdProcess) -> None:
+def test_starts_with_socket_0660_and_pool_segment(kvd_daemon) -> None:
     path = Path(kvd_daemon.address.removeprefix("ipc://"))
     assert stat.S_IMODE(path.stat().st_mode) == 0o660
     segment = segment_path("/dev/shm", kvd_daemon.instance, "default")
@@ -25,7 +24,7 @@ def test_starts_with_socket_0660_and_pool_segment(kvd_daemon: KvdProcess) -> Non
     assert stats["blocks"]["default"]["total"] == 64
 
 
-def test_sigterm_drains_and_removes_socket_and_segment(kvd_daemon: KvdProcess) -> None:
+def test_sigterm_drains_and_removes_socket_and_segment(kvd_daemon) -> None:
     path = Path(kvd_daemon.address.removeprefix("ipc://"))
     segment = segment_path("/dev/shm", kvd_daemon.instance, "default")
     assert kvd_daemon.stop() == 0
@@ -36,7 +35,7 @@ def test_sigterm_drains_and_removes_socket_and_segment(kvd_daemon: KvdProcess) -
     assert '"stopped"' in log
 
 
-def test_second_daemon_on_the_same_socket_refuses_to_start(start_kvd: StartKvd) -> None:
+def test_second_daemon_on_the_same_socket_refuses_to_start(start_kvd) -> None:
     first = start_kvd()
     second = start_kvd(wait=False)
     assert second.proc.wait(30) == 1
@@ -46,7 +45,7 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(start_kvd: StartKvd) 
     assert first.check()["ok"] is True
 
 
-def test_stale_socket_and_segments_are_replaced(start_kvd: StartKvd) -> None:
+def test_stale_socket_and_segments_are_replaced(start_kvd) -> None:
     first = start_kvd()
     first.signal(signal.SIGKILL)
     first.proc.wait()
@@ -58,7 +57,7 @@ def test_stale_socket_and_segments_are_replaced(start_kvd: StartKvd) -> None:
     assert '"stale_segments_removed"' in second.log()
 
 
-def test_pool_too_large_is_one_line_and_exit_1(start_kvd: StartKvd) -> None:
+def test_pool_too_large_is_one_line_and_exit_1(start_kvd) -> None:
     huge = start_kvd(overrides={"pools.0.num_blocks": str(2**31 - 1)}, wait=False)
     assert huge.proc.wait(30) == 1
     (line,) = [ln for ln in huge.log().splitlines() if ln.startswith("kvd: ")]
@@ -66,14 +65,14 @@ def test_pool_too_large_is_one_line_and_exit_1(start_kvd: StartKvd) -> None:
     assert "does not fit" in line
 
 
-def test_budget_refuses_a_pool_set_above_it(start_kvd: StartKvd) -> None:
+def test_budget_refuses_a_pool_set_above_it(start_kvd) -> None:
     d = start_kvd(overrides={"memory.budget_bytes": str(1024 * 1024)}, wait=False)
     assert d.proc.wait(30) == 1
     (line,) = [ln for ln in d.log().splitlines() if ln.startswith("kvd: ")]
     assert "memory.budget_bytes" in line
 
 
-def test_drain_waits_for_running_sequences_then_exits(kvd_daemon: KvdProcess) -> None:
+def test_drain_waits_for_running_sequences_then_exits(kvd_daemon) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -107,7 +106,7 @@ def test_drain_waits_for_running_sequences_then_exits(kvd_daemon: KvdProcess) ->
         sock.close(0)
 
 
-def test_second_signal_exits_at_once(kvd_daemon: KvdProcess) -> None:
+def test_second_signal_exits_at_once(kvd_daemon) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
