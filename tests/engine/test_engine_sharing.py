@@ -1,0 +1,115 @@
+"""Engine: fork and copy-on-write."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd.engine import Allocation, Appended, Forked
+
+from .support import Checked, toks
+
+
+def alloc(eng: Checked, seq: str, tokens: np.ndarray, reserve: int | None = None) -> Allocation:
+    r = eng.allocate(1, seq, tokens, reserve=reserve)
+    assert isinstance(r, Allocation), r
+    return r
+
+
+def append(eng: Checked, seq: str, tokens: list[int]) -> Appended:
+    a = eng.append(1, seq, tokens)
+    assert isinstance(a, Appended), a
+    return a
+
+
+def refs(eng: Checked, table: list[int]) -> list[int]:
+    return [eng._pool.blocks[i].ref for i in table]
+
+
+def test_fork_shares_every_block(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(10))
+    f = eng.fork(1, "a", "b")
+    assert f == Forked(a.table)
+    assert refs(eng, a.table) == [2, 2, 2]
+
+
+def test_a_fork_has_the_parents_tokens_and_commit_state(eng: Checked) -> None:
+    alloc(eng, "a", toks(10))
+    eng.commit(1, "a", 6)
+    eng.fork(1, "a", "b")
+    child = eng._sessions[1].seqs["b"]
+    assert child.tokens[: child.length].tolist() == list(range(10))
+    assert child.committed == 6
+
+
+def test_appending_into_a_shared_partial_block_copies_it(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(6))
+    eng.fork(1, "a", "b")
+    r = append(eng, "b", [99])
+    dst = r.blocks[0]
+    assert r.copies == [(a.table[1], dst)]
+    assert r.start == 1 and dst not in a.table
+    assert refs(eng, [a.table[1], dst]) == [1, 1]
+
+
+def test_the_other_holder_keeps_writing_in_place_after_the_copy(eng: Checked) -> None:
+    alloc(eng, "a", toks(6))
+    eng.fork(1, "a", "b")
+    append(eng, "b", [99])
+    r = append(eng, "a", [98])
+    assert r.copies == [] and r.blocks == []
+
+
+def test_appending_into_a_private_partial_block_writes_in_place(eng: Checked) -> None:
+    alloc(eng, "a", toks(6))
+    r = append(eng, "a", [6])
+    assert (r.start, r.blocks, r.copies, r.length) == (2, [], [], 7)
+
+
+def test_appending_after_a_shared_full_block_needs_no_copy(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(8))
+    eng.fork(1, "a", "b")
+    r = append(eng, "b", [8])
+    assert r.copies == [] and r.start == 2 and len(r.blocks) == 1
+    assert refs(eng, a.table) == [2, 2]
+
+
+def test_truncating_into_a_cached_block_then_appending_copies_it(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(9))
+    eng.commit(1, "a")
+    eng.truncate(1, "a", 6)
+    r = append(eng, "a", [60])
+    assert r.copies == [(a.table[1], r.blocks[0])]
+    # The cached block still holds tokens 4..7 and still matches.
+    assert alloc(eng, "b", toks(9)).table[:2] == a.table[:2]
+
+
+def test_truncating_into_a_shared_block_then_appending_copies_it(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(8))
+    eng.fork(1, "a", "b")
+    eng.truncate(1, "b", 6)
+    r = append(eng, "b", [60])
+    assert r.copies == [(a.table[1], r.blocks[0])]
+    assert eng._sessions[1].seqs["a"].tokens[:8].tolist() == list(range(8))
+
+
+def test_a_copy_and_new_blocks_come_in_one_reply(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(6))
+    eng.fork(1, "a", "b")
+    r = append(eng, "b", [1, 2, 3, 4, 5])
+    assert r.start == 1 and len(r.blocks) == 2
+    assert r.copies == [(a.table[1], r.blocks[0])]
+    assert eng._sessions[1].seqs["b"].table[0].block_id == a.table[0]
+
+
+def test_appending_nothing_changes_nothing(eng: Checked) -> None:
+    alloc(eng, "a", toks(6))
+    eng.fork(1, "a", "b")
+    r = append(eng, "b", [])
+    assert (r.start, r.blocks, r.copies, r.length) == (2, [], [], 6)
+
+
+def test_freeing_a_fork_leaves_the_parent_intact(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(6))
+    eng.fork(1, "a", "b")
+    eng.free(1, "b")
+    assert refs(eng, a.table) == [1, 1]

@@ -1,0 +1,236 @@
+"""Engine: random operation sequences against a model of what clients write.
+
+A Hypothesis state machine drives allocate / commit / append / fork /
+truncate / free / pin / unpin / flush / close_session over three sessions
+in two namespaces (one with an adapter) on a small pool with a tiny token
+alphabet, so hits, duplicates, copies, refusals and evictions all happen.
+After every step: `check_invariants`, plus the model's checks:
+
+- the simulated client writes each token into its block slot, and only
+  ever into a block it alone holds that is not cached (copy-on-write);
+- every prefix hit hands out blocks holding exactly the prompt's tokens;
+- a refusal changes nothing; growth within a reservation is never refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvd.engine import (
+    Allocation,
+    Appended,
+    Engine,
+    EngineConfig,
+    Forked,
+    Pinned,
+    Refusal,
+)
+
+from .support import snapshot
+
+BS = 4
+#: (session id, namespace, adapter, quota)
+SESSIONS = [(1, "", None, None), (2, "", "lora", 14), (3, "t", None, None)]
+
+token_lists = st.lists(st.integers(0, 2), min_size=0, max_size=10)
+prompts = st.tuples(
+    st.sampled_from([[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]]),
+    st.lists(st.integers(0, 2), min_size=0, max_size=6),
+)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.eng = Engine(EngineConfig(num_blocks=12, block_size=BS, watermark_blocks=1))
+        self.eng.set_namespace_limits("t", quota=10, minimum=2)
+        for sid, ns, adapter, quota in SESSIONS:
+            self.eng.open_session(sid, namespace=ns, adapter=adapter, quota=quota)
+        #: What the simulated clients wrote into each block's slots.
+        self.content: dict[int, list[int | None]] = {}
+        #: (sid, seq id) -> the sequence's tokens, as the client knows them.
+        self.seqs: dict[tuple[int, str], list[int]] = {}
+        self.pins: list[tuple[int, int]] = []
+        self.counter = 0
+
+    # --- the model of client writes -------------------------------------------
+
+    def table(self, key: tuple[int, str]) -> list[int]:
+        return [b.block_id for b in self.eng._sessions[key[0]].seqs[key[1]].table]
+
+    def write(self, key: tuple[int, str], start: int, tokens: list[int]) -> None:
+        table = self.table(key)
+        blocks = self.eng._pool.blocks
+        for pos, tok in enumerate(tokens, start):
+            bid = table[pos // BS]
+            block = blocks[bid]
+            assert block.ref == 1, f"write into block {bid} held {block.ref} times"
+            assert block.key is None, f"write into cached block {bid}"
+            slots = self.content.setdefault(bid, [None] * BS)
+            slots[pos % BS] = tok
+
+    def check_hits(self, tokens: list[int], table: list[int], cached: int) -> None:
+        assert cached % BS == 0
+        assert cached <= max(0, (len(tokens) - 1) // BS * BS)
+        for i in range(cached // BS):
+            assert self.content.get(table[i]) == tokens[i * BS : (i + 1) * BS], (
+                f"hit block {table[i]} holds other tokens"
+            )
+
+    def refused_cleanly(self, before: dict[str, Any], result: object) -> bool:
+        if isinstance(result, Refusal):
+            assert snapshot(self.eng) == before, "a refusal changed the state"
+            event(f"refused {result.code}")
+            return True
+        return False
+
+    def pick(self, data: st.DataObject) -> tuple[int, str]:
+        return data.draw(st.sampled_from(sorted(self.seqs)))
+
+    def new_id(self) -> str:
+        self.counter += 1
+        return f"s{self.counter}"
+
+    # --- rules ---------------------------------------------------------------------
+
+    @rule(
+        sid=st.sampled_from([1, 2, 3]),
+        prompt=prompts,
+        extra=st.none() | st.integers(0, 12),
+        commit=st.booleans(),
+    )
+    def allocate(
+        self, sid: int, prompt: tuple[list[int], list[int]], extra: int | None, commit: bool
+    ) -> None:
+        tokens = prompt[0] + prompt[1]
+        seq = self.new_id()
+        reserve = None if extra is None else len(tokens) + extra
+        before = snapshot(self.eng)
+        r = self.eng.allocate(sid, seq, np.array(tokens, dtype=np.int32), reserve=reserve)
+        if self.refused_cleanly(before, r):
+            return
+        assert isinstance(r, Allocation)
+        self.seqs[(sid, seq)] = tokens
+        self.check_hits(tokens, r.table, r.num_cached_tokens)
+        if r.num_cached_tokens:
+            event("prefix hit")
+        self.write((sid, seq), r.num_cached_tokens, tokens[r.num_cached_tokens :])
+        if commit:
+            self.eng.commit(sid, seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), frac=st.floats(0, 1) | st.none())
+    def commit(self, data: st.DataObject, frac: float | None) -> None:
+        key = self.pick(data)
+        n = None if frac is None else int(len(self.seqs[key]) * frac)
+        self.eng.commit(*key, n)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tokens=token_lists)
+    def append(self, data: st.DataObject, tokens: list[int]) -> None:
+        key = self.pick(data)
+        seq = self.eng._sessions[key[0]].seqs[key[1]]
+        length = len(self.seqs[key])
+        within = length + len(tokens) <= seq.reserve
+        before = snapshot(self.eng)
+        r = self.eng.append(*key, tokens)
+        if self.refused_cleanly(before, r):
+            assert not within, "growth within the reservation was refused"
+            return
+        assert isinstance(r, Appended)
+        assert r.length == length + len(tokens)
+        for src, dst in r.copies:
+            event("copy-on-write")
+            self.content[dst] = list(self.content[src])
+        self.seqs[key] = self.seqs[key] + tokens
+        self.write(key, length, tokens)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.none() | st.integers(0, 8))
+    def fork(self, data: st.DataObject, extra: int | None) -> None:
+        key = self.pick(data)
+        child = self.new_id()
+        reserve = None if extra is None else len(self.seqs[key]) + extra
+        before = snapshot(self.eng)
+        r = self.eng.fork(*key, child, reserve=reserve)
+        if self.refused_cleanly(before, r):
+            return
+        assert isinstance(r, Forked)
+        self.seqs[(key[0], child)] = list(self.seqs[key])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), frac=st.floats(0, 1))
+    def truncate(self, data: st.DataObject, frac: float) -> None:
+        key = self.pick(data)
+        n = int(len(self.seqs[key]) * frac)
+        self.eng.truncate(*key, n)
+        self.seqs[key] = self.seqs[key][:n]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        key = self.pick(data)
+        self.eng.free(*key)
+        del self.seqs[key]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        key = self.pick(data)
+        before = snapshot(self.eng)
+        r = self.eng.pin(*key)
+        if self.refused_cleanly(before, r):
+            return
+        assert isinstance(r, Pinned)
+        self.pins.append((key[0], r.pin_id))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pin = data.draw(st.sampled_from(self.pins))
+        self.pins.remove(pin)
+        self.eng.unpin(*pin)
+
+    # Flushes and closes take a 1-in-4 coin so they don't wipe the cache too often.
+    @rule(namespace=st.sampled_from([None, "", "t"]), coin=st.integers(0, 3))
+    def flush(self, namespace: str | None, coin: int) -> None:
+        if coin == 0:
+            self.eng.flush(namespace)
+
+    @rule(sid=st.sampled_from([1, 2, 3]), coin=st.integers(0, 3))
+    def close_and_reopen(self, sid: int, coin: int) -> None:
+        if coin:
+            return
+        self.eng.close_session(sid)
+        self.seqs = {k: v for k, v in self.seqs.items() if k[0] != sid}
+        self.pins = [p for p in self.pins if p[0] != sid]
+        _, ns, adapter, quota = SESSIONS[sid - 1]
+        self.eng.open_session(sid, namespace=ns, adapter=adapter, quota=quota)
+
+    # --- after every step ---------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        self.eng.check_invariants()
+        if self.eng._pool.evictions:
+            event("evicted")
+        self.eng.drain_events()
+        for (sid, seq_id), tokens in self.seqs.items():
+            seq = self.eng._sessions[sid].seqs[seq_id]
+            assert seq.tokens[: seq.length].tolist() == tokens
+            for i, block in enumerate(seq.table[: len(tokens) // BS]):
+                assert self.content.get(block.block_id) == tokens[i * BS : (i + 1) * BS]
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=600,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestEngineMachine = EngineMachine.TestCase
