@@ -1,0 +1,1 @@
+"""Tests of the client library (kvd_client) and kvd-ctl."""
