@@ -583,3 +583,31 @@ def test_a_new_channel_first_tells_routers_to_forget(ctx: Any) -> None:
     assert topic == b"pool"
     assert [e["type"] for e in _decode(payload)[1]] == ["AllBlocksCleared", "BlockRemoved"]
     pub.close()
+
+
+def test_replay_waits_for_a_slow_peer_instead_of_dropping(ctx: Any) -> None:
+    # inproc queues hold exactly SNDHWM + RCVHWM messages, so the ROUTER fills up.
+    pub = KVEventPublisher(
+        "inproc://kv-events-slow", replay_endpoint="inproc://kv-replay-slow", hwm=2, context=ctx
+    )
+    channel = pub.channel(clear=False)
+    for _ in range(10):
+        channel.append_cleared()
+        pub.flush()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.connect("inproc://kv-replay-slow")
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    replies: list[list[bytes]] = []
+    stalled = False
+    for _ in range(2000):
+        sent = pub.serve_replay()
+        stalled = stalled or (0 < sent < 11 and not replies)
+        while dealer.poll(1):
+            replies.append(dealer.recv_multipart())
+        if replies and replies[-1][2] == END_SEQ:
+            break
+    assert stalled, "the peer's queue never filled up"
+    assert [int.from_bytes(r[2], "big", signed=True) for r in replies] == [*range(10), -1]
+    dealer.close()
+    pub.close()
