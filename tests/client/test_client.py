@@ -1,0 +1,221 @@
+"""kvd_client.client: both drivers against a real ROUTER socket answering real frames."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from kvd_client import AsyncClient, Client, Sequence
+from kvd_client import protocol as P
+from kvd_client.client import ClientBase
+from kvd_client.errors import DaemonUnavailable, InvalidRequest, OutOfBlocks, SessionLost
+
+from .support import LAYOUT, Router, blocks, hello_result
+
+StartRouter = Callable[..., Router]
+
+
+def daemon_like(
+    session_ids: Iterator[int] | None = None,
+) -> Callable[[P.Request], list[list[bytes]]]:
+    """Replies for a scripted session: each hello opens a new session id."""
+    ids = session_ids or iter(range(1, 100))
+
+    def handle(req: P.Request) -> list[list[bytes]]:
+        rid = req.id  # type: ignore[attr-defined]
+        match req:
+            case P.Hello():
+                return [
+                    P.encode_ok(rid, hello_result(LAYOUT, {"backend": "none"}, session=next(ids)))
+                ]
+            case P.Allocate():
+                n = (len(req.tokens) + 3) // 4
+                return [
+                    P.encode_ok(
+                        rid, P.AllocateResult(table=blocks(*range(n)), cached=0, reserved=0)
+                    )
+                ]
+            case P.Commit():
+                return [P.encode_ok(rid, P.CommitResult(committed=req.n or 0, cached_blocks=0))]
+            case P.Batch():
+                ok = {"ok": True, "r": {"committed": 1, "cached_blocks": 0}}
+                return [P.encode_ok(rid, P.BatchResult(results=[ok] * len(req.ops)))]
+            case P.Ping():
+                return [P.encode_ok(rid, P.PingResult(epoch=99, version=1))]
+            case _:
+                return [P.encode_ok(rid, P.Empty())]
+
+    return handle
+
+
+def test_blocking_client_runs_a_request_lifecycle(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address, pool="default", name="unit") as kv:
+        assert (kv.session_id, kv.epoch, kv.layout) == (1, 99, LAYOUT)
+        seq = kv.allocate("req-1", np.arange(10), reserve=20)
+        assert seq.block_table.tolist() == [0, 1, 2]
+        assert seq.commit(8).committed == 8
+        seq.free()
+        assert not seq.alive
+    kinds = [type(q).__name__ for q in r.requests]
+    assert kinds == ["Hello", "Allocate", "Commit", "Free", "Goodbye"]
+    assert r.requests[0].name == "unit"  # type: ignore[attr-defined]
+
+
+def test_async_client_runs_the_same_lifecycle(router: StartRouter) -> None:
+    r = router(daemon_like())
+
+    async def main() -> None:
+        async with AsyncClient.connect(r.address, pool="default") as kv:
+            seq = await kv.allocate("req-1", np.arange(10))
+            assert (await seq.commit(8)).committed == 8
+            await seq.free()
+            assert (await kv.ping()).epoch == 99
+
+    anyio.run(main)
+    kinds = [type(q).__name__ for q in r.requests]
+    assert kinds == ["Hello", "Allocate", "Commit", "Free", "Ping", "Goodbye"]
+
+
+def test_both_clients_share_one_definition_of_each_operation() -> None:
+    for name in ("allocate", "can_allocate", "stats", "flush", "check", "ping", "heartbeat"):
+        assert getattr(Client, name) is getattr(AsyncClient, name) is ClientBase.__dict__[name]
+    assert Sequence.__dict__["commit"] is Sequence.commit
+
+
+def test_session_lost_raises_once_then_reattaches(router: StartRouter) -> None:
+    lost = iter([True])
+
+    base = daemon_like()
+
+    def handle(req: P.Request) -> list[list[bytes]]:
+        if isinstance(req, P.Allocate) and next(lost, False):
+            return [P.encode_error(req.id, P.Code.SESSION_LOST, "daemon restarted")]
+        return base(req)
+
+    r = router(handle)
+    with Client.connect(r.address, pool="default") as kv:
+        with pytest.raises(SessionLost):
+            kv.allocate("a", [1, 2])
+        assert not kv.attached
+        seq = kv.allocate("a", [1, 2])
+        assert kv.session_id == 2 and seq.alive
+    kinds = [type(q).__name__ for q in r.requests]
+    assert kinds == ["Hello", "Allocate", "Hello", "Allocate", "Goodbye"]
+    assert r.requests[2].layout == LAYOUT.to_dict()  # type: ignore[attr-defined]
+
+
+def test_batch_is_one_round_trip(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address) as kv:
+        seqs = [kv.allocate(f"s{i}", [1, 2, 3]) for i in range(3)]
+        with kv.batch() as b:
+            items = [b.commit(s, 1) for s in seqs]
+        assert [item.result().committed for item in items] == [1, 1, 1]
+    batch = r.requests[-2]
+    assert isinstance(batch, P.Batch) and len(batch.ops) == 3
+
+
+def test_async_batch(router: StartRouter) -> None:
+    r = router(daemon_like())
+
+    async def main() -> None:
+        async with AsyncClient.connect(r.address) as kv:
+            seq = await kv.allocate("s", [1, 2, 3])
+            async with kv.batch() as b:
+                item = b.commit(seq, 1)
+            assert item.result().committed == 1
+
+    anyio.run(main)
+    assert isinstance(r.requests[-2], P.Batch)
+
+
+def test_batch_context_must_match_the_client_kind(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address) as kv:
+        b = kv.batch()
+
+        async def enter() -> None:
+            async with b:
+                pass
+
+        with pytest.raises(TypeError, match="'with'"):
+            anyio.run(enter)
+
+
+def test_batch_refuses_a_sequence_of_another_client(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address) as one, Client.connect(r.address) as two:
+        seq = one.allocate("s", [1])
+        with pytest.raises(InvalidRequest, match="another client"):
+            two.batch().commit(seq)
+
+
+def test_refusal_reaches_the_caller_as_its_class(router: StartRouter) -> None:
+    def handle(req: P.Request) -> list[list[bytes]]:
+        if isinstance(req, P.Allocate):
+            return [P.encode_error(req.id, P.Code.OUT_OF_BLOCKS, "pool full")]
+        return daemon_like()(req)
+
+    r = router(handle)
+    with Client.connect(r.address) as kv, pytest.raises(OutOfBlocks, match="pool full"):
+        kv.allocate("a", [1])
+
+
+def test_notices_reach_the_callback(router: StartRouter) -> None:
+    base = daemon_like()
+
+    def handle(req: P.Request) -> list[list[bytes]]:
+        if isinstance(req, P.Ping):
+            return [P.encode_notice("pressure", {"pool": "default", "usage": 0.9}), *base(req)]
+        return base(req)
+
+    r = router(handle)
+    seen: list[P.Notice] = []
+    with Client.connect(r.address, on_notice=seen.append) as kv:
+        kv.ping()
+    assert seen == [P.Notice("pressure", {"pool": "default", "usage": 0.9})]
+
+
+def test_connect_with_nothing_listening_names_the_address(ipc_dir: Path) -> None:
+    address = f"ipc://{ipc_dir}/nobody.sock"
+    with pytest.raises(DaemonUnavailable, match=re.escape(f"at {address} within 0.2 s")) as err:
+        Client.connect(address, timeout=0.2)
+    assert err.value.address == address
+
+
+def test_async_connect_with_nothing_listening_names_the_address(ipc_dir: Path) -> None:
+    address = f"ipc://{ipc_dir}/nobody.sock"
+
+    async def main() -> None:
+        await AsyncClient.connect(address, timeout=0.2)
+
+    with pytest.raises(DaemonUnavailable, match=r"nobody\.sock"):
+        anyio.run(main)
+
+
+def test_close_does_not_fail_when_the_daemon_is_gone(router: StartRouter) -> None:
+    r = router(daemon_like())
+    kv = Client.connect(r.address, timeout=0.3)
+    r.close()
+    kv.close()
+    with pytest.raises(InvalidRequest, match="closed"):
+        kv.ping()
+
+
+def test_operator_connection_sends_no_hello(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address, pool=None) as kv:
+        assert kv.ping().epoch == 99
+        with pytest.raises(InvalidRequest, match="no pool"):
+            kv.allocate("a", [1])
+    assert [type(q).__name__ for q in r.requests] == ["Ping"]
+
+
+def test_bad_identity_is_refused_before_connecting() -> None:
+    with pytest.raises(InvalidRequest, match="pool"):
+        Client.connect("ipc:///nonexistent", pool="")

@@ -1,0 +1,63 @@
+"""kvd_client.transport: time-outs and stale replies on a real socket."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import anyio
+import pytest
+from kvd_client import protocol as P
+from kvd_client.core import Identity, Session
+from kvd_client.errors import DaemonUnavailable
+from kvd_client.transport import AsyncTransport, BlockingTransport
+
+from .support import Router
+
+StartRouter = Callable[..., Router]
+
+
+def late_replies(req: P.Request) -> list[list[bytes]]:
+    """Ping 1 gets no reply; ping 2 gets ping 1's late reply first, then its own."""
+    assert isinstance(req, P.Ping)
+    if req.id == 1:
+        return []
+    return [
+        P.encode_ok(1, P.PingResult(epoch=1, version=1)),
+        P.encode_ok(2, P.PingResult(epoch=2, version=1)),
+    ]
+
+
+def test_blocking_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> None:
+    r = router(late_replies)
+    session = Session(Identity(pool=None, name="t"))
+    transport = BlockingTransport(r.address)
+    try:
+        with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
+            transport.roundtrip(session, P.Ping(id=1), 0.2)
+        reply = transport.roundtrip(session, P.Ping(id=2), 5.0)
+    finally:
+        transport.close()
+    assert (reply.id, reply.result["epoch"]) == (2, 2)
+
+
+def test_async_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> None:
+    r = router(late_replies)
+    session = Session(Identity(pool=None, name="t"))
+
+    async def main() -> P.OkReply:
+        transport = AsyncTransport(r.address)
+        try:
+            with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
+                await transport.roundtrip(session, P.Ping(id=1), 0.2)
+            return await transport.roundtrip(session, P.Ping(id=2), 5.0)
+        finally:
+            transport.close()
+
+    reply = anyio.run(main)
+    assert (reply.id, reply.result["epoch"]) == (2, 2)
+
+
+def test_malformed_address_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="cannot connect"):
+        BlockingTransport("nonsense")
