@@ -248,10 +248,11 @@ def test_another_process_computes_the_same_keys() -> None:
 
 
 BAD_KEYS_CALLS: list[tuple[str, dict[str, Any], str]] = [
-    ("negative token", {"tokens": [5, -1, 7]}, "non-negative"),
+    ("negative token in a list", {"tokens": [5, -1, 7]}, "non-negative"),
+    ("negative token in an array", {"tokens": np.array([5, -1, 7])}, "non-negative, got -1"),
     ("token of 2**32", {"tokens": [0, 2**32]}, "below 2\\*\\*32"),
-    ("token beyond int64", {"tokens": [2**70]}, "integers in"),
-    ("float token in a list", {"tokens": [1.0, 2.0]}, "integers in"),
+    ("token of 2**64", {"tokens": [2**64]}, "below 2\\*\\*32"),
+    ("float token in a list", {"tokens": [1.0, 2.0]}, "must be integers"),
     ("float array", {"tokens": np.array([1.0, 2.0])}, "integers, got dtype float64"),
     ("2-D array", {"tokens": np.zeros((2, 16), dtype=np.int32)}, "1-D"),
     ("root parent after block 0", {"first_block": 2}, "parent is required"),
