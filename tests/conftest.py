@@ -160,7 +160,8 @@ def start_kvd(kvd_workdir: Path) -> Iterator[StartKvd]:
         wait: bool = True,
     ) -> KvdProcess:
         address = address or default_address
-        settings = TINY_POOL | {"metrics.enabled": "false"} | (overrides or {})
+        settings = TINY_POOL | {"metrics.enabled": "false", "server.drain_timeout_s": "3"}
+        settings |= overrides or {}
         args = ["--address", address, "--log-format", "json"]
         for key, value in settings.items():
             args += ["--set", f"{key}={value}"]
