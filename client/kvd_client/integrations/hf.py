@@ -257,11 +257,19 @@ class KvdCache(Cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             raise InvalidRequest("a KvdCache needs input_ids: kvd names its blocks by token ids")
-        self._feed(_token_list(ids))
-
-    def _feed(self, new: list[int]) -> None:
-        shared = self._shared
         start = self.get_seq_length()
+        positions = kwargs.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.numel():
+            first = int(positions.reshape(-1)[0])
+            if first != start:
+                raise InvalidRequest(
+                    f"tokens fed at position {first} but the cache holds {start}: "
+                    "feed only what follows the cached tokens"
+                )
+        self._feed(start, _token_list(ids))
+
+    def _feed(self, start: int, new: list[int]) -> None:
+        shared = self._shared
         known = shared.tokens[start : start + len(new)]
         if new[: len(known)] != known:
             raise InvalidRequest(
