@@ -45,10 +45,18 @@ _EMPTY = np.empty(0, dtype=np.int32)
 _EMPTY.flags.writeable = False
 #: Small arrays are checked through a list: numpy's reductions cost more.
 _SMALL = 16
+_KEY = operator.attrgetter("key")
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
 def _as_tokens(tokens: TokensLike) -> npt.NDArray[np.int32]:
     """``tokens`` as a 1-D int32 array (no copy when it already is one)."""
+    if type(tokens) is np.ndarray and tokens.dtype is _INT32 and tokens.ndim == 1:
+        # The wire decoder's form: only the sign needs checking.
+        n = tokens.shape[0]
+        if n and (min(tokens.tolist()) if n <= _SMALL else int(tokens.min())) < 0:
+            raise InvalidError("token ids must lie in [0, 2**31)")
+        return tokens
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
@@ -61,16 +69,11 @@ def _as_tokens(tokens: TokensLike) -> npt.NDArray[np.int32]:
     n = arr.shape[0]
     if n == 0:
         return _EMPTY
-    if arr.dtype != _INT32:
-        if arr.dtype.kind not in "iu":
-            raise InvalidError(f"token ids must be integers, got dtype {arr.dtype}")
-        if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
-            raise InvalidError("token ids must lie in [0, 2**31)")
-        return arr.astype(np.int32)
-    lowest = min(arr.tolist()) if n <= _SMALL else int(arr.min())
-    if lowest < 0:
+    if arr.dtype.kind not in "iu":
+        raise InvalidError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
         raise InvalidError("token ids must lie in [0, 2**31)")
-    return arr
+    return arr.astype(np.int32)
 
 
 def _count(value: object, what: str) -> int:
@@ -344,7 +347,7 @@ class Engine:
         self._queries += 1
         self._query_tokens += length
         self._hit_tokens += hit_tokens
-        return Allocation([b.block_id for b in table], hit_tokens, out)
+        return Allocation(list(map(_BLOCK_ID, table)), hit_tokens, out)
 
     def commit(self, sid: int, seq_id: str, n: int | None = None) -> Committed:
         """The first ``n`` tokens (all when None) are written. Full blocks
@@ -381,11 +384,19 @@ class Engine:
                 adapter=seq.session.adapter,
             )
         index = ns.index
-        table = seq.table
+        blocks = seq.table[start:full]
+        new_keys = keys[start:full]
+        if not any(map(_KEY, blocks)) and index.keys().isdisjoint(new_keys):
+            # The usual case: every block is new to the cache; one C-level update.
+            index.update(zip(new_keys, blocks, strict=True))
+            for block, key in zip(blocks, new_keys, strict=True):
+                block.key = key
+                block.index = index
+            self._stored(seq, start, full)
+            return Committed(n, full - start)
         stored = 0
         run = -1
-        for i in range(start, full):
-            block = table[i]
+        for i, block in enumerate(blocks, start):
             if block.key is None:
                 key = keys[i]
                 if key not in index:
@@ -447,28 +458,34 @@ class Engine:
             if refusal is not None:
                 return refusal
 
-        copies: list[tuple[int, int]] = []
-        start = num_blocks
-        if cow or new_blocks:
-            pool = self._pool
-            removed: list[bytes] = []
-            taken = pool.take(new_blocks + cow, removed)
-            if removed and self._emit:
-                self._events.append(BlockRemoved(removed))
-            if cow:
-                src = table[-1]
-                dst = taken[0]
-                table[-1] = dst
-                pool.release((src,))
-                copies.append((src.block_id, dst.block_id))
-                start -= 1
-                taken = taken[1:]
-            table += taken
         seq.write(arr)
         seq.cow = False
+        if not (cow or new_blocks):
+            # The common decode step: the token lands in the private last block.
+            if d_out:
+                seq.out = new_out
+                self._charge(seq.session, usage, d_out)
+            return Appended(num_blocks, [], [], new_length)
+
+        copies: list[tuple[int, int]] = []
+        start = num_blocks
+        pool = self._pool
+        removed: list[bytes] = []
+        taken = pool.take(new_blocks + cow, removed)
+        if removed and self._emit:
+            self._events.append(BlockRemoved(removed))
+        if cow:
+            src = table[-1]
+            dst = taken[0]
+            table[-1] = dst
+            pool.release((src,))
+            copies.append((src.block_id, dst.block_id))
+            start -= 1
+            taken = taken[1:]
+        table += taken
         seq.out = new_out
         self._charge(seq.session, usage, d_out)
-        return Appended(start, [b.block_id for b in table[start:]], copies, new_length)
+        return Appended(start, list(map(_BLOCK_ID, table[start:])), copies, new_length)
 
     def fork(
         self, sid: int, seq_id: str, child_id: str, reserve: int | None = None
@@ -520,7 +537,7 @@ class Engine:
         child.cow = partial
         sess.seqs[child_id] = child
         self._charge(sess, num_blocks + demand, demand)
-        return Forked([b.block_id for b in table])
+        return Forked(list(map(_BLOCK_ID, table)))
 
     def truncate(self, sid: int, seq_id: str, n: int) -> Truncated:
         """Keep the first ``n`` tokens: whole blocks past the new end are

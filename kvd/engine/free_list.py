@@ -69,12 +69,12 @@ class BlockQueue:
     def popleft(self, n: int) -> list[Block]:
         """Unlink and return the ``n`` blocks at the head (``n <= len(self)``)."""
         head = self.head
-        out = []
+        out: list[Block] = []
         block = head.next
+        push = out.append
         for _ in range(n):
-            assert block is not None
-            out.append(block)
-            block = block.next
+            push(block)  # type: ignore[arg-type]
+            block = block.next  # type: ignore[union-attr]
         assert block is not None
         head.next = block
         block.prev = head

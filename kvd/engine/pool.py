@@ -51,14 +51,15 @@ class BlockPool:
             taken = free[::-1]
             free.clear()
             victims = self.lru.popleft(n - k)
+            note = removed.append
             for block in victims:
-                key = block.key
-                del block.index[key]  # type: ignore[arg-type,union-attr]
-                removed.append(key)  # type: ignore[arg-type]
+                # Evictable blocks are keyed and indexed (check_invariants).
+                del block.index[block.key]  # type: ignore[union-attr,arg-type]
+                note(block.key)  # type: ignore[arg-type]
                 block.key = None
                 block.index = None
-            self.evictions += n - k
             taken += victims
+            self.evictions += n - k
         for block in taken:
             block.ref = 1
         return taken

@@ -84,13 +84,17 @@ class Sequence:
     def write(self, tokens: npt.NDArray[np.int32]) -> None:
         """Append ``tokens`` to the buffer, doubling its capacity as needed."""
         start = self.length
-        end = start + tokens.shape[0]
+        n = tokens.shape[0]
+        end = start + n
         buf = self.tokens
         if end > buf.shape[0]:
             grown = np.empty(max(end, 2 * buf.shape[0], 64), dtype=np.int32)
             grown[:start] = buf[:start]
             self.tokens = buf = grown
-        buf[start:end] = tokens
+        if n == 1:
+            buf[start] = tokens[0]  # a scalar store is several times cheaper than a slice
+        else:
+            buf[start:end] = tokens
         self.length = end
 
     def __repr__(self) -> str:
