@@ -78,15 +78,16 @@ def refusal(decision: BudgetDecision, mem: DeviceMemory) -> PoolTooLargeError:
 
 
 def capacity(*, device: int = 0, headroom_bytes: int = 0) -> Capacity:
-    """Bytes a new pool could take on ``device`` now: free less headroom."""
+    """Bytes a new pool could take on ``device`` now: free less ``headroom_bytes``.
+
+    ``where`` names the device alone (``cuda:0 GPU-… (nvml)``), the same on
+    every call, so a budget can key its places by it; a daemon that applies
+    its headroom in `kvd.memory.budget` leaves ``headroom_bytes`` at 0 here.
+    """
     check_device(device)
     check_headroom(headroom_bytes)
     mem = device_memory(device)
-    return Capacity(
-        max(0, mem.free - headroom_bytes),
-        f"{mem.place} {mem.uuid} ({mem.source}: free {format_bytes(mem.free)}, "
-        f"headroom {format_bytes(headroom_bytes)})",
-    )
+    return Capacity(max(0, mem.free - headroom_bytes), f"{mem.place} {mem.uuid} ({mem.source})")
 
 
 class CudaPool:

@@ -81,6 +81,73 @@ def _serve(conn: mpc.Connection) -> None:
         gc.collect()
         torch.cuda.synchronize()
 
+    sessions: dict[str, Any] = {}
+
+    def connect(address: str, pool: str) -> dict[str, Any]:
+        from kvd_client.client import Client
+
+        kv = Client.connect(address, pool=pool, name="gpu-test-client", timeout=30.0)
+        sessions[pool] = kv
+        return {"backend": kv.pool.memory["backend"], "session": kv.session_id}
+
+    def expected(tokens: Any, layer: int) -> tuple[Any, Any]:
+        """The K and V every test client writes for these token ids: a function of id and layer."""
+        return (tokens % 97 + layer).float(), -(tokens % 89 + layer).float()
+
+    def positions(kv: Any, seq: Any, start: int, stop: int) -> tuple[Any, Any, Any]:
+        bs = kv.layout.block_size
+        device = kv.pool.layers()[0].device
+        pos = torch.arange(start, stop, device=device)
+        table = torch.as_tensor(seq.block_table.astype("int64"), device=device)
+        return pos, table[pos // bs], pos % bs
+
+    def fence(kv: Any) -> None:
+        """Wait for this process's work on the pool (a no-op for host memory)."""
+        wait = getattr(kv.pool, "fence", None)
+        if wait is not None:
+            wait()
+
+    def prefill(pool: str, seq_id: str, tokens: list[int], free: bool) -> dict[str, Any]:
+        """Allocate, write K/V of the tokens not cached, fence, commit (and free)."""
+        kv = sessions[pool]
+        seq = kv.allocate(seq_id, tokens)
+        cached = seq.num_cached_tokens
+        pos, blocks, slots = positions(kv, seq, cached, len(tokens))
+        ids = torch.as_tensor(tokens, device=pos.device)[pos]
+        for i, layer in enumerate(kv.pool.layers()):
+            k, v = expected(ids, i)
+            shape = (len(pos), *layer.shape[3:])
+            layer[0, blocks, slots] = k[:, None, None].expand(shape).to(layer.dtype)
+            layer[1, blocks, slots] = v[:, None, None].expand(shape).to(layer.dtype)
+        fence(kv)
+        seq.commit()
+        table = seq.block_table.tolist()
+        if free:
+            seq.free()
+        return {"cached": cached, "table": table}
+
+    def verify(pool: str, seq_id: str, tokens: list[int]) -> dict[str, Any]:
+        """Allocate the tokens again and check the K/V of the cached prefix; free."""
+        kv = sessions[pool]
+        seq = kv.allocate(seq_id, tokens)
+        cached = seq.num_cached_tokens
+        pos, blocks, slots = positions(kv, seq, 0, cached)
+        ids = torch.as_tensor(tokens, device=pos.device)[pos]
+        bad = 0
+        for i, layer in enumerate(kv.pool.layers()):
+            k, v = expected(ids, i)
+            got_k = layer[0, blocks, slots].float()
+            got_v = layer[1, blocks, slots].float()
+            bad += int((got_k != k[:, None, None]).sum()) + int((got_v != v[:, None, None]).sum())
+        fence(kv)
+        table = seq.block_table.tolist()
+        seq.free()
+        return {"cached": cached, "bad": bad, "table": table}
+
+    def close(pool: str) -> None:
+        sessions.pop(pool).close()
+        gc.collect()
+
     def env() -> dict[str, Any]:
         return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -93,6 +160,10 @@ def _serve(conn: mpc.Connection) -> None:
         "copy": copy,
         "drop": drop,
         "env": env,
+        "connect": connect,
+        "prefill": prefill,
+        "verify": verify,
+        "close": close,
     }
     while True:
         cmd, *args = conn.recv()
