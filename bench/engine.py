@@ -18,12 +18,19 @@ Figures: requests/s end to end (hashing included), block operations/s
 hashing cost per block on its own, and requests/s *manager only*: the same
 replay with each request's real keys precomputed and handed out by a lookup
 hasher (the engine's work without the hashing, as vLLM's manager-only
-anchor gives its requests precomputed block hashes). Anchors: vLLM 0.33.0's
-KVCacheManager on this workload and machine, about 1,100 requests/s end to
-end (sha256_cbor) and 3,500 requests/s manager only. Each figure is the
+anchor gives its requests precomputed block hashes). Each figure is the
 best of ``--repeat`` runs (the machine is shared).
 
-Run: ``.venv/bin/python bench/engine.py [--profile] [--requests N]``.
+Anchors: vLLM 0.33.0's ``KVCacheManager`` replaying the same workload in the
+same run, driven as its scheduler does (``bench/vllm_support.py``; requests
+hashed by its ``sha256_cbor`` end to end, precomputed hashes manager only;
+token lists are built before the clock starts). That needs ``.bench-venv``
+(``bench/setup-vllm-venv.sh``) and runs there as a child process; without it
+(or with ``--no-vllm``) the anchors are the figures measured on this machine
+before: about 1,100 requests/s end to end and 3,500 manager only.
+
+Run: ``.venv/bin/python bench/engine.py [--requests N] [--repeat N] [--no-vllm]
+[--profile e2e|manager]``.
 """
 
 from __future__ import annotations
@@ -31,9 +38,15 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import json
+import os
 import pstats
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -48,8 +61,11 @@ LIVE = 32
 DECODE = 8
 VOCAB = 32000
 SEED = 20260501
+#: vLLM 0.33.0 on this workload and machine, measured before (requests/s).
 VLLM_E2E = 1100.0
 VLLM_MANAGER = 3500.0
+REPO = Path(__file__).resolve().parent.parent
+BENCH_PYTHON = REPO / ".bench-venv" / "bin" / "python"
 
 Tokens = npt.NDArray[np.int32]
 
@@ -174,7 +190,87 @@ def hashing_seconds(prompts: list[Tokens]) -> float:
     return time.perf_counter() - t0
 
 
-def report(name: str, prompts: list[Tokens], repeat: int) -> None:
+def replay_vllm(prompts: list[Tokens], keys: list[Any] | None = None) -> Result:
+    """The same workload through vLLM's ``KVCacheManager`` (only in .bench-venv)."""
+    from bench import vllm_support as V
+
+    manager = V.make_manager(NUM_BLOCKS, BLOCK_SIZE)
+    driver = V.VllmDriver(manager)
+    lists = [p.tolist() for p in prompts]
+    live: collections.deque[Any] = collections.deque()
+    hit_tokens = 0
+
+    def finish() -> None:
+        req = live.popleft()
+        for tok in range(DECODE):
+            assert driver.decode(req, tok)
+        driver.finish(req)
+
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(lists):
+        if len(live) == LIVE:
+            finish()
+        req = V.make_request(
+            str(i),
+            tokens,
+            None if keys is None else keys[i],
+            block_size=BLOCK_SIZE,
+            max_tokens=DECODE + 1,
+        )
+        hit = driver.admit(req)
+        assert hit is not None
+        hit_tokens += hit
+        live.append(req)
+    while live:
+        finish()
+    seconds = time.perf_counter() - t0
+    return Result(seconds, 0, hit_tokens / sum(map(len, lists)), len(prompts))
+
+
+def vllm_child(requests: int, repeat: int) -> None:
+    """Print vLLM's best times per workload as JSON (run inside .bench-venv)."""
+    from bench import vllm_support as V
+
+    out = {}
+    for name, prompts in workloads(requests).items():
+        keys = [V.chain_keys(np.concatenate([p, DECODE_TOKENS]), BLOCK_SIZE) for p in prompts]
+        e2e = min((replay_vllm(prompts) for _ in range(repeat)), key=lambda r: r.seconds)
+        mgr = min((replay_vllm(prompts, keys) for _ in range(repeat)), key=lambda r: r.seconds)
+        out[name] = {
+            "e2e": e2e.requests / e2e.seconds,
+            "manager": mgr.requests / mgr.seconds,
+            "hit_ratio": e2e.hit_ratio,
+        }
+    json.dump(out, sys.stdout)
+
+
+def vllm_anchors(requests: int, repeat: int) -> dict[str, dict[str, float]] | None:
+    """vLLM's figures measured now in .bench-venv, or None where it is missing."""
+    if not BENCH_PYTHON.exists():
+        return None
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.run(
+        [
+            str(BENCH_PYTHON),
+            __file__,
+            "--vllm-child",
+            f"--requests={requests}",
+            f"--repeat={repeat}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+    if child.returncode:
+        print(f"(vLLM anchors not measured: {child.stderr.strip().splitlines()[-1:]})")
+        return None
+    result: dict[str, dict[str, float]] = json.loads(child.stdout)
+    return result
+
+
+def report(name: str, prompts: list[Tokens], repeat: int, anchor: dict[str, float] | None) -> None:
     keys = precompute_keys(prompts)
     e2e = min((replay(prompts) for _ in range(repeat)), key=lambda r: r.seconds)
     mgr = min((replay(prompts, keys) for _ in range(repeat)), key=lambda r: r.seconds)
@@ -183,18 +279,29 @@ def report(name: str, prompts: list[Tokens], repeat: int) -> None:
     rps = e2e.requests / e2e.seconds
     mrps = mgr.requests / mgr.seconds
     blocks = sum(len(p) // BLOCK_SIZE for p in prompts)
+    if anchor is None:
+        v_e2e, v_mgr, v_hit, how = VLLM_E2E, VLLM_MANAGER, None, "measured before"
+    else:
+        v_e2e, v_mgr, v_hit = anchor["e2e"], anchor["manager"], anchor["hit_ratio"]
+        how = "same run"
     print(f"{name}: {e2e.requests} requests, {blocks} full prompt blocks, best of {repeat}")
-    print(f"  end to end    {rps:9.0f} requests/s  ({rps / VLLM_E2E:.1f}x vLLM's ~{VLLM_E2E:.0f})")
-    print(
-        f"  manager only  {mrps:9.0f} requests/s  ({mrps / VLLM_MANAGER:.1f}x vLLM's "
-        f"~{VLLM_MANAGER:.0f})"
-    )
+    print(f"                      kvd      vLLM 0.33.0 ({how})")
+    print(f"  end to end    {rps:9.0f} req/s {v_e2e:9.0f} req/s   {rps / v_e2e:4.1f}x")
+    print(f"  manager only  {mrps:9.0f} req/s {v_mgr:9.0f} req/s   {mrps / v_mgr:4.1f}x")
     print(
         f"  block ops     {e2e.block_ops / e2e.seconds:9.0f} /s end to end, "
         f"{mgr.block_ops / mgr.seconds:.0f} /s manager only"
     )
     print(f"  hashing       {hashing / blocks * 1e6:9.2f} us/block")
-    print(f"  hit ratio     {e2e.hit_ratio:9.3f}")
+    hit = f"{e2e.hit_ratio:9.3f}"
+    print(f"  hit ratio     {hit}" + ("" if v_hit is None else f" {v_hit:9.3f}"))
+
+
+def workloads(requests: int) -> dict[str, list[Tokens]]:
+    return {
+        "flat (8 prefixes)": flat_workload(requests),
+        "stacked (2 -> 8 -> 32 prefixes)": stacked_workload(requests),
+    }
 
 
 def main() -> None:
@@ -206,16 +313,21 @@ def main() -> None:
         choices=["e2e", "manager"],
         help="cProfile the flat replay (with hashing, or with precomputed keys)",
     )
+    parser.add_argument("--no-vllm", action="store_true", help="skip the same-run vLLM anchors")
+    parser.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    flat = flat_workload(args.requests)
-    stacked = stacked_workload(args.requests)
+    if args.vllm_child:
+        vllm_child(args.requests, args.repeat)
+        return
     if args.profile:
+        flat = flat_workload(args.requests)
         prof = cProfile.Profile()
         prof.runcall(replay, flat, None if args.profile == "e2e" else precompute_keys(flat))
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    report("flat (8 prefixes)", flat, args.repeat)
-    report("stacked (2 -> 8 -> 32 prefixes)", stacked, args.repeat)
+    anchors = None if args.no_vllm else vllm_anchors(args.requests, args.repeat)
+    for name, prompts in workloads(args.requests).items():
+        report(name, prompts, args.repeat, None if anchors is None else anchors[name])
 
 
 if __name__ == "__main__":

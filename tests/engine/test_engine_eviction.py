@@ -56,11 +56,13 @@ def test_a_chain_is_evicted_tail_first(make_engine: MakeEngine) -> None:
 
 def test_a_request_never_evicts_its_own_hits(make_engine: MakeEngine) -> None:
     eng = make_engine(num_blocks=4)
-    a = cached(eng, "a", toks(13))  # LRU: tail ... head; 1 free block
-    # Needs its 3 hits (all at the head of the queue) + 1 new block.
-    r = alloc(eng, "b", toks(16))
-    assert r.num_cached_tokens == 12
-    assert r.table[:3] == a.table[:3]
+    a = cached(eng, "a", toks(5))  # block 0 cached, released first
+    cached(eng, "c", toks(12, start=100))
+    assert lru(eng)[0] == a.table[0]  # the hit-to-be is next in line
+    r = alloc(eng, "b", toks(9))  # hits block 0, needs 2 more: both evicted
+    assert r.num_cached_tokens == 4
+    assert r.table[0] == a.table[0]
+    assert eng.stats().evictions == 2
 
 
 def test_an_evicted_block_loses_its_key_at_once(make_engine: MakeEngine) -> None:
