@@ -278,12 +278,19 @@ class EventsConfig:
 
     enabled: bool = False
     endpoint: str = "tcp://127.0.0.1:5557"
+    #: "" for no replay socket.
     replay_endpoint: str = "tcp://127.0.0.1:5558"
-    #: Events kept for replay.
+    #: Event batches kept for replay.
     buffer: int = 10000
+    #: Topic frame of each pool's batches; ``{pool}`` becomes the pool's name.
+    topic: str = ""
 
     def __post_init__(self) -> None:
         _require(self.buffer > 0, "buffer", "must be > 0")
+        try:
+            self.topic.format(pool="p")
+        except (KeyError, IndexError, ValueError):
+            raise ConfigError("topic", "may only use the {pool} placeholder") from None
 
 
 def _default_pools() -> tuple[PoolConfig, ...]:

@@ -48,6 +48,7 @@ from kvd.memory import PoolMemory, backend_capacity, create_pool_memory, remove_
 from kvd.memory.budget import MemoryBudget, PoolRequest
 from kvd.server import transport
 from kvd.server.handlers import Dispatcher, PoolRuntime
+from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
 from kvd.server.sdnotify import Notifier
 from kvd.server.sessions import SessionTable, parse_peer_address
@@ -90,6 +91,7 @@ class Daemon:
         self._pools: dict[str, PoolRuntime] = {}
         self._memories: list[PoolMemory] = []
         self._bound: list[Path] = []
+        self._publisher: KVEventPublisher | None = None
         self.dispatcher: Dispatcher | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._drain_requested = anyio.Event()
@@ -182,8 +184,34 @@ class Daemon:
         # start must never remove a live daemon's socket.
         self._bound = [p for a in self.addresses if (p := transport.ipc_path(a)) is not None]
 
+    def _start_events(self) -> tuple[KVEventPublisher, dict[str, EventChannel]]:
+        ev = self.config.events
+        try:
+            publisher = KVEventPublisher(
+                ev.endpoint,
+                replay_endpoint=ev.replay_endpoint or None,
+                buffer=ev.buffer,
+                context=self._ctx,
+            )
+        except zmq.ZMQError as exc:
+            raise StartupError(
+                f"cannot publish KV events on {ev.endpoint}: {zmq.strerror(exc.errno or 0)}"
+            ) from None
+        self._publisher = publisher
+        channels = {
+            name: publisher.channel(
+                ev.topic.format(pool=name),
+                MEDIUM_GPU if pool.config.backend == "cuda" else MEDIUM_CPU,
+            )
+            for name, pool in self._pools.items()
+        }
+        return publisher, channels
+
     def _cleanup(self, linger_ms: int) -> None:
         """Close the socket, unlink its file, release every pool. Idempotent, blocking."""
+        if self._publisher is not None:  # a failed start: nothing left to send
+            self._publisher.close()
+            self._publisher = None
         if self._sock is not None:
             self._sock.close(linger_ms)
             self._sock = None
@@ -212,17 +240,25 @@ class Daemon:
             metrics = None
             if cfg.metrics.enabled:
                 metrics = self._start_metrics()
+            publisher, channels = self._start_events() if cfg.events.enabled else (None, {})
             self.dispatcher = Dispatcher(
                 cfg,
                 self._pools,
                 sessions,
                 epoch=self.epoch,
                 addresses=self.addresses,
+                on_events=(lambda pool, events: channels[pool].extend(events))
+                if publisher is not None
+                else None,
                 observe=metrics.observe if metrics is not None else None,
             )
+            if publisher is not None:
+                self.dispatcher.sections["events"] = publisher.stats
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._serve)
+                if publisher is not None:
+                    tg.start_soon(publisher.run)
                 tg.start_soon(self._maintain)
                 if self._handle_signals:
                     tg.start_soon(self._signals, notifier)
@@ -240,6 +276,9 @@ class Daemon:
                 )
                 task_status.started(self)
             linger_ms = 200 if self.dispatcher.draining else 0
+            if publisher is not None:
+                publisher.close()
+                self._publisher = None
             if metrics is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(metrics.close)
@@ -270,7 +309,10 @@ class Daemon:
             name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
             for name in stats["pools"]
         }
-        return {"pools": pools, "admission": stats["admission"], "clients": stats["clients"]}
+        snapshot = {"pools": pools, "admission": stats["admission"], "clients": stats["clients"]}
+        if "events" in stats:
+            snapshot["events"] = stats["events"]
+        return snapshot
 
     def _status_line(self) -> str:
         assert self.dispatcher is not None

@@ -133,6 +133,8 @@ class Dispatcher:
         self.draining = False
         self.rpc = RpcStats(clock=clock)
         self.closed_sessions: Counter[str] = Counter()
+        #: More stats sections by name (the daemon adds ``events`` when publishing).
+        self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._table: dict[int, _Handler] = {
             P.Kind.HELLO: self._hello,
             P.Kind.HEARTBEAT: self._heartbeat,
@@ -562,4 +564,4 @@ class Dispatcher:
                 "by_pool": {name: dict(sorted(es.refusals.items())) for name, es in engine.items()},
             },
             "rpc": self.rpc.section(),
-        }
+        } | {name: section() for name, section in self.sections.items()}

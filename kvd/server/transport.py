@@ -138,7 +138,9 @@ def bind_router(
             try:
                 sock.bind(address)
             except zmq.ZMQError as exc:
-                raise StartupError(f"cannot bind {address}: {zmq.strerror(exc.errno)}") from None
+                raise StartupError(
+                    f"cannot bind {address}: {zmq.strerror(exc.errno or 0)}"
+                ) from None
             path = ipc_path(address)
             if path is not None:
                 os.chmod(path, config.socket_mode)

@@ -7,6 +7,7 @@ import signal
 import stat
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import zmq
 from kvd_client import protocol as P
@@ -128,3 +129,54 @@ def test_second_signal_exits_at_once(kvd_daemon) -> None:
         assert not Path(kvd_daemon.address.removeprefix("ipc://")).exists()
     finally:
         sock.close(0)
+
+
+def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
+    endpoint = f"ipc://{kvd_workdir / 'events.sock'}"
+    daemon = start_kvd(
+        overrides={
+            "events.enabled": "true",
+            "events.endpoint": endpoint,
+            "events.replay_endpoint": "",
+            "events.topic": "kv@test@{pool}",
+        }
+    )
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(daemon.address)
+
+    def call(req: P.Request) -> object:
+        dealer.send_multipart(req.encode())
+        assert dealer.poll(10_000)
+        return P.decode_reply(dealer.recv_multipart())
+
+    try:
+        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        assert isinstance(call(hello), P.OkReply)
+        stored = []
+        tokens = np.arange(32, dtype=np.int32)
+        # PUB drops what is sent before the subscription is in place: commit
+        # fresh sequences until one BlockStored batch arrives.
+        for i in range(200):
+            call(P.Allocate(id=10 + i, seq=f"s{i}", tokens=tokens + 1000 * i))
+            call(P.Commit(id=10 + i, seq=f"s{i}"))
+            while sub.poll(20):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv@test@default"
+                assert len(seq) == 8
+                _, events, _ = msgpack.unpackb(payload)
+                stored += [e for e in events if e["type"] == "BlockStored"]
+            if stored:
+                break
+        assert stored
+        assert stored[0]["block_size"] == 16
+        assert len(stored[0]["token_ids"]) == 16 * len(stored[0]["block_hashes"])
+        assert daemon.stats()["events"]["batches"] >= 1
+    finally:
+        sub.close(0)
+        dealer.close(0)
