@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -14,24 +16,23 @@ from kvd_client import protocol as P
 from kvd_client.client import ClientBase
 from kvd_client.errors import DaemonUnavailable, InvalidRequest, OutOfBlocks, SessionLost
 
-from .support import LAYOUT, Router, blocks, hello_result
+from .support import LAYOUT, Router, blocks, hello_result, shm_handle
 
 StartRouter = Callable[..., Router]
 
 
 def daemon_like(
-    session_ids: Iterator[int] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> Callable[[P.Request], list[list[bytes]]]:
-    """Replies for a scripted session: each hello opens a new session id."""
-    ids = session_ids or iter(range(1, 100))
+    """Scripted replies built with the real encoders; each hello opens a new session id."""
+    ids = iter(range(1, 100))
+    memory = memory or {"backend": "none"}
 
     def handle(req: P.Request) -> list[list[bytes]]:
         rid = req.id  # type: ignore[attr-defined]
         match req:
             case P.Hello():
-                return [
-                    P.encode_ok(rid, hello_result(LAYOUT, {"backend": "none"}, session=next(ids)))
-                ]
+                return [P.encode_ok(rid, hello_result(LAYOUT, memory, session=next(ids)))]
             case P.Allocate():
                 n = (len(req.tokens) + 3) // 4
                 return [
@@ -46,6 +47,20 @@ def daemon_like(
                 return [P.encode_ok(rid, P.BatchResult(results=[ok] * len(req.ops)))]
             case P.Ping():
                 return [P.encode_ok(rid, P.PingResult(epoch=99, version=1))]
+            case P.Fork():
+                return [P.encode_ok(rid, P.ForkResult(table=blocks(0, 1, 2)))]
+            case P.Append():
+                # The last block (2) is shared: move to a private copy (5).
+                result = P.AppendResult(start=2, blocks=blocks(5), copies=blocks(2, 5), length=11)
+                return [P.encode_ok(rid, result)]
+            case P.Truncate():
+                return [
+                    P.encode_ok(rid, P.TruncateResult(length=req.n, num_blocks=(req.n + 3) // 4))
+                ]
+            case P.Pin():
+                return [P.encode_ok(rid, P.PinResult(pin=4, blocks=2))]
+            case P.CanAllocate():
+                return [P.encode_ok(rid, P.CanAllocateResult(ok=req.tokens <= 32, available=8))]
             case _:
                 return [P.encode_ok(rid, P.Empty())]
 
@@ -219,3 +234,86 @@ def test_operator_connection_sends_no_hello(router: StartRouter) -> None:
 def test_bad_identity_is_refused_before_connecting() -> None:
     with pytest.raises(InvalidRequest, match="pool"):
         Client.connect("ipc:///nonexistent", pool="")
+
+
+def test_sequence_operations_through_the_blocking_client(
+    router: StartRouter, pool_file: Callable[..., Path]
+) -> None:
+    r = router(daemon_like(shm_handle(pool_file(LAYOUT), LAYOUT)))
+    with Client.connect(r.address) as kv:
+        assert kv.can_allocate(16) and not kv.can_allocate(64)
+        kv.heartbeat()
+        seq = kv.allocate("a", np.arange(10))
+        kv.pool.layer(1)[:, 2].fill_(6.0)
+        child = seq.fork("a.1")
+        child.append([1])
+        assert child.block_table.tolist() == [0, 1, 5]
+        assert (kv.pool.layer(1)[:, 5] == 6.0).all()  # copied before append returned
+        child.truncate(6)
+        assert (child.num_tokens, child.block_table.tolist()) == (6, [0, 1])
+        pin = seq.pin()
+        assert (pin.pin_id, pin.num_blocks) == (4, 2)
+        pin.unpin()
+    kinds = [type(q).__name__ for q in r.requests]
+    assert kinds[1:] == [
+        "CanAllocate",
+        "CanAllocate",
+        "Heartbeat",
+        "Allocate",
+        "Fork",
+        "Append",
+        "Truncate",
+        "Pin",
+        "Unpin",
+        "Goodbye",
+    ]
+
+
+def test_slots_map_token_positions_into_blocks(router: StartRouter) -> None:
+    r = router(daemon_like())
+    with Client.connect(r.address) as kv:
+        seq = kv.allocate("a", np.arange(10))  # blocks 0, 1, 2 of 4 tokens
+        seq.truncate(9)
+        assert seq.slots(2, 6).tolist() == [2, 3, 4, 5]
+        assert seq.slots().tolist() == list(range(9))
+        with pytest.raises(InvalidRequest, match="outside"):
+            seq.slots(5, 10)
+
+
+def test_a_client_can_be_shared_by_threads(router: StartRouter) -> None:
+    r = router(daemon_like())
+    errors: list[BaseException] = []
+    with Client.connect(r.address) as kv:
+
+        def work() -> None:
+            try:
+                for _ in range(50):
+                    assert kv.ping().epoch == 99
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert sum(isinstance(q, P.Ping) for q in r.requests) == 200
+
+
+def test_an_async_client_can_be_shared_by_tasks(router: StartRouter) -> None:
+    r = router(daemon_like())
+
+    async def main() -> None:
+        async with AsyncClient.connect(r.address) as kv:
+
+            async def work() -> None:
+                for _ in range(30):
+                    assert (await kv.ping()).epoch == 99
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(work)
+
+    anyio.run(main)
+    assert sum(isinstance(q, P.Ping) for q in r.requests) == 120
