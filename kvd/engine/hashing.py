@@ -71,6 +71,7 @@ _ARRAY: Final = 4
 _TRIPLE_HEAD: Final = b"\x83\x58\x20"
 _TRIPLE_HEAD_HASH: Final = hashlib.sha256(_TRIPLE_HEAD)
 _NULL: Final = b"\xf6"
+_NULL_ROW: Final = np.frombuffer(_NULL, dtype=np.uint8)
 
 # Width classes of a CBOR unsigned int: < 24 (1 byte), < 2**8 (2), < 2**16 (3),
 # < 2**32 (5). Each token is first written right-aligned in a big-endian 8-byte
@@ -78,6 +79,11 @@ _NULL: Final = b"\xf6"
 # then the unused leading bytes of the word are dropped.
 _CLASS_BOUNDS: Final = (24, 256, 65536)
 _CLASS_WIDTH: Final = (1, 2, 3, 5)
+# The class of ``t`` is _CLASS_OF[min(t >> 3, 8192)]: every bound is a multiple
+# of 8, and one small-table lookup is quicker than three comparisons.
+_CLASS_OF: Final = np.searchsorted(
+    np.array(_CLASS_BOUNDS) >> 3, np.arange((_CLASS_BOUNDS[2] >> 3) + 1), side="right"
+).astype(np.uint8)
 _CLASS_HEAD: Final = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
 # Per class, which bytes of the word are kept: eight bools per class, stored
 # as one uint64 so that a take() by class yields the byte mask directly.
@@ -139,8 +145,8 @@ def _width_class(value: int) -> int:
 
 def _token_array(
     tokens: npt.NDArray[np.integer] | Sequence[int],
-) -> tuple[npt.NDArray[np.uint32], int, int]:
-    """Validate token ids: the 1-D uint32 array of them, their least and greatest."""
+) -> tuple[npt.NDArray[np.integer], int, int]:
+    """Validate token ids: a 1-D integer array of them, their least and greatest."""
     if isinstance(tokens, list | tuple):
         # array.array converts through __index__, so floats and strings are refused
         # rather than truncated, and it is several times quicker than np.asarray.
@@ -155,7 +161,7 @@ def _token_array(
     if arr.ndim != 1:
         raise ValueError(f"token ids must be a 1-D sequence, got {arr.ndim} dimensions")
     if arr.size == 0:
-        return np.empty(0, dtype=np.uint32), 0, 0
+        return np.empty(0, dtype=np.int64), 0, 0
     if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
@@ -163,7 +169,7 @@ def _token_array(
         raise ValueError(f"token ids must be non-negative, got {lo}")
     if hi >= _TOKEN_LIMIT:
         raise ValueError(f"token ids must be below 2**32, got {hi}")
-    return arr.astype(np.uint32, copy=False), lo, hi
+    return arr, lo, hi
 
 
 class BlockHasher:
@@ -261,7 +267,7 @@ class BlockHasher:
         return out
 
     def _encode(
-        self, blocks: npt.NDArray[np.uint32], extras: bytes, uniform: int | None
+        self, blocks: npt.NDArray[np.integer], extras: bytes, uniform: int | None
     ) -> tuple[bytes, Sequence[int]]:
         """CBOR of ``(tokens, extras)`` of each block: everything after the parent key.
 
@@ -271,7 +277,7 @@ class BlockHasher:
         num_blocks, bs = blocks.shape
         head = self._array_head
         hlen, elen = head.size, len(extras)
-        extras_row = np.frombuffer(extras, dtype=np.uint8)
+        extras_row = _NULL_ROW if extras == _NULL else np.frombuffer(extras, dtype=np.uint8)
 
         if uniform is not None:
             # One width for every token (common for the one block that decoding
@@ -294,8 +300,9 @@ class BlockHasher:
 
         # Mixed widths: every token in an 8-byte word, then keep the used bytes.
         flat = blocks.reshape(-1)
-        cls = np.add(flat >= _CLASS_BOUNDS[0], flat >= _CLASS_BOUNDS[1], dtype=np.uint8)
-        cls += flat >= _CLASS_BOUNDS[2]
+        index = flat >> 3
+        np.minimum(index, _CLASS_OF.size - 1, out=index)
+        cls = _CLASS_OF.take(index)
         words = flat.astype(np.uint64)
         words |= _CLASS_HEAD.take(cls)
         stop = hlen + 8 * bs
