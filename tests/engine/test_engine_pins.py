@@ -31,6 +31,17 @@ def test_a_pin_holds_the_cached_blocks_of_the_prefix(eng: Checked) -> None:
     assert eng.stats().blocks_pinned == 2
 
 
+def test_a_block_pinned_twice_counts_once_as_pinned(eng: Checked) -> None:
+    a = alloc(eng, "a", toks(9))
+    eng.commit(1, "a")
+    first = pin(eng, "a")
+    pin(eng, "a")
+    assert eng.stats().blocks_pinned == 2
+    assert [eng._pool.blocks[i].ref for i in a.table[:2]] == [3, 3]
+    eng.unpin(1, first.pin_id)
+    assert eng.stats().blocks_pinned == 2
+
+
 def test_a_pin_defaults_to_every_committed_token(eng: Checked) -> None:
     alloc(eng, "a", toks(13))
     eng.commit(1, "a", 9)
