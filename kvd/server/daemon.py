@@ -43,7 +43,7 @@ from kvd_client import protocol as P
 
 from kvd.config import Config, PoolConfig
 from kvd.engine import Engine, EngineConfig
-from kvd.errors import KvdError, PoolTooLargeError, StartupError
+from kvd.errors import KvdError, StartupError
 from kvd.memory import PoolMemory, backend_capacity, create_pool_memory, remove_stale_segments
 from kvd.memory.budget import MemoryBudget, PoolRequest
 from kvd.server import transport
@@ -112,14 +112,6 @@ class Daemon:
             requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
         refused = [d for d in budget.plan(requests, free) if not d.ok]
         if refused:
-            first = refused[0]
-            if first.limit == "cap":
-                raise PoolTooLargeError(
-                    f"pool {first.pool!r} (with the pools before it)",
-                    first.held + first.asked,
-                    first.cap or 0,
-                    "memory.budget_bytes",
-                )
             raise StartupError("; ".join(d.message for d in refused))
 
     def _create_pool(self, pool: PoolConfig) -> PoolMemory:

@@ -51,11 +51,11 @@ def test_killed_client_is_released_by_the_pid_watch(kvd_daemon, spawn_agent) -> 
 
 
 def test_idle_live_client_keeps_its_session(start_kvd, spawn_agent) -> None:
-    daemon = start_kvd(overrides={"server.lease_ms": "300"})
+    daemon = start_kvd(overrides={"server.lease_ms": "200"})
     a = spawn_agent()
     a.ok("connect", address=daemon.address)
     a.ok("allocate", seq="s", tokens=list(range(BS)))
-    time.sleep(1.0)  # > 3 leases without a request; the pid watch renews it
+    time.sleep(0.7)  # > 3 leases without a request; the pid watch renews it
     assert daemon.stats()["clients"]["sessions"] == 1
     assert a.ok("commit", seq="s") == {"committed": BS, "cached_blocks": 1}
 

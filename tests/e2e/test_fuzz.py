@@ -7,7 +7,7 @@ connection with a session and from one without. Every message must get one
 reply with a stable code, never INTERNAL; afterwards the daemon serves a well-behaved
 client, CHECK passes, and the blocks are exactly as before. FLUSH is the one
 admin kind left out (it is allowed to change the cache). ``KVD_FUZZ_EXAMPLES``
-raises the number of examples (default 100, 20 to 40 messages each).
+raises the number of examples (default 80, 25 to 40 messages each).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_ag
         sock.connect(kvd_daemon.address)
     _hello(with_session)
     sent = {"messages": 0, "errors": 0}
-    examples = int(os.environ.get("KVD_FUZZ_EXAMPLES", "100"))
+    examples = int(os.environ.get("KVD_FUZZ_EXAMPLES", "80"))
 
     @settings(
         max_examples=examples,
@@ -201,7 +201,7 @@ def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_ag
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(batch=st.lists(messages, min_size=20, max_size=40), use_session=st.booleans())
+    @given(batch=st.lists(messages, min_size=25, max_size=40), use_session=st.booleans())
     def fuzz(batch: list[tuple[list[bytes], bool]], use_session: bool) -> None:
         sock = with_session if use_session else without
         for frames, must_fail in batch:

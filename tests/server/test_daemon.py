@@ -70,7 +70,7 @@ def test_budget_refuses_a_pool_set_above_it(start_kvd) -> None:
     d = start_kvd(overrides={"memory.budget_bytes": str(1024 * 1024)}, wait=False)
     assert d.proc.wait(30) == 1
     (line,) = [ln for ln in d.log().splitlines() if ln.startswith("kvd: ")]
-    assert "memory.budget_bytes" in line
+    assert "does not fit the node's cap" in line
 
 
 def test_drain_waits_for_running_sequences_then_exits(kvd_daemon) -> None:
@@ -177,6 +177,7 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
         assert stored[0]["block_size"] == 16
         assert len(stored[0]["token_ids"]) == 16 * len(stored[0]["block_hashes"])
         assert daemon.stats()["events"]["batches"] >= 1
+        assert isinstance(call(P.Goodbye(id=2)), P.OkReply)
     finally:
         sub.close(0)
         dealer.close(0)
