@@ -8,8 +8,10 @@ read what the other one wrote through the prefix cache.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,8 +75,9 @@ def daemon_log(tmp: Path, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    tmp = tmp_path_factory.mktemp("kvd-gpu")
+def daemon() -> Iterator[tuple[str, Path]]:
+    # Short: a Unix socket path holds at most 107 bytes, whatever TMPDIR is.
+    tmp = Path(tempfile.mkdtemp(prefix="kvdg-", dir="/tmp"))
     proc, address = start_daemon(tmp, "gpu", num_blocks=2048)
     try:
         yield address, tmp
@@ -85,6 +88,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
