@@ -373,21 +373,26 @@ class Message:
         if type(body) is not dict:
             raise ProtocolError(Code.INVALID, f"{cls.__name__} body must be a map")
         kwargs: dict[str, Any] = {}
-        for f in cls._fields():
+        fields = cls._fields()
+        present = 0
+        for f in fields:
             value = body.get(f.name)
             if value is None:
+                if f.name in body:
+                    present += 1
                 if not f.optional:
                     raise ProtocolError(Code.INVALID, f"field {f.name!r} is required")
                 kwargs[f.name] = f.default
                 continue
+            present += 1
             if f.is_tokens:
                 if type(value) is not int or not 0 <= value < len(extras):
                     raise ProtocolError(Code.INVALID, f"field {f.name!r}: no extra frame {value!r}")
                 kwargs[f.name] = tokens_from_bytes(extras[value])
             else:
                 kwargs[f.name] = f.check(value, f.name)
-        unknown = body.keys() - {f.name for f in cls._fields()}
-        if unknown:
+        if present != len(body):
+            unknown = body.keys() - {f.name for f in fields}
             raise ProtocolError(Code.INVALID, f"unknown fields {sorted(map(str, unknown))}")
         return cls(**kwargs)
 
