@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
 from kvd_client.layout import PAGE, POOL_ALIGN, PoolLayout
 
 
@@ -29,7 +30,7 @@ def test_every_slot_is_distinct_and_inside_the_pool(order: str) -> None:
         for kv in (0, 1)
         for block in range(layout.num_blocks)
     )
-    for (start, size), (nxt, _) in zip(spans, spans[1:], strict=False):
+    for (start, size), (nxt, _) in itertools.pairwise(spans):
         assert start + size <= nxt
     last_start, last_size = spans[-1]
     assert last_start + last_size <= layout.used_bytes <= layout.total_bytes

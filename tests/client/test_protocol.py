@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-
 from kvd_client import protocol as p
 
 
