@@ -51,7 +51,9 @@ __all__ = [
     "CudaPool",
     "CudaUnavailableError",
     "block_view",
+    "canonical_uuid",
     "copy_blocks",
+    "device_uuid",
     "format_uuid",
     "layer_views",
     "load_cupy",
@@ -177,12 +179,64 @@ class CudaMemoryMap:
         )
 
 
+def canonical_uuid(text: str | bytes) -> str | None:
+    """A UUID as NVML or torch writes it, in the ``GPU-…`` form (None when it is not one).
+
+    Takes ``GPU-8f2c…`` (NVML, any case) and ``8f2c1a0e-5b7d-…`` (torch).
+    """
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    digits = text.strip().lower().removeprefix("gpu-").replace("-", "")
+    if len(digits) != 32 or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return format_uuid(bytes.fromhex(digits))
+
+
+def _uuid_from_nvml(cupy: Any, index: int) -> str | None:
+    try:
+        import pynvml  # noqa: PLC0415 (optional dependency)
+
+        pynvml.nvmlInit()
+        bus_id = cupy.cuda.runtime.deviceGetPCIBusId(index)
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        return canonical_uuid(pynvml.nvmlDeviceGetUUID(handle))
+    except Exception:  # no module, library or driver, or no answer: try the next source
+        return None
+
+
+def _uuid_from_torch(index: int) -> str | None:
+    try:
+        import torch  # noqa: PLC0415 (optional dependency)
+
+        return canonical_uuid(str(torch.cuda.get_device_properties(index).uuid))
+    except Exception:  # no torch, no CUDA in torch, or no uuid field: no answer
+        return None
+
+
+def device_uuid(index: int) -> str:
+    """The ``GPU-…`` UUID of this process's CUDA device ``index``.
+
+    cupy returns ``cudaDeviceProp.uuid`` as a C string, so a UUID holding a
+    zero byte comes back cut short; NVML (by PCI bus id) or torch answer then.
+    """
+    cupy = load_cupy()
+    raw = bytes(cupy.cuda.runtime.getDeviceProperties(index).get("uuid", b""))
+    if len(raw) == 16:
+        return format_uuid(raw)
+    uuid = _uuid_from_nvml(cupy, index) or _uuid_from_torch(index)
+    if uuid is None:
+        raise CudaUnavailableError(
+            f"cannot read the UUID of cuda:{index}: cupy cut it short and neither NVML "
+            "nor torch answered"
+        )
+    return uuid
+
+
 def local_device(uuid: str) -> int:
     """This process's CUDA ordinal of the GPU ``uuid`` (CUDA_VISIBLE_DEVICES may renumber)."""
-    runtime = load_cupy().cuda.runtime
-    count = int(runtime.getDeviceCount())
+    count = int(load_cupy().cuda.runtime.getDeviceCount())
     for index in range(count):
-        if format_uuid(bytes(runtime.getDeviceProperties(index)["uuid"])) == uuid:
+        if device_uuid(index) == uuid:
             return index
     raise CudaUnavailableError(
         f"GPU {uuid} is not visible in this process ({count} devices visible): "

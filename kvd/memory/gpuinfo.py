@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from kvd_client.cuda import CudaUnavailableError, format_uuid, load_cupy
+from kvd_client import cuda as client_cuda
+from kvd_client.cuda import CudaUnavailableError, load_cupy
 
 from kvd.errors import StartupError
 
@@ -82,9 +83,12 @@ def _visible(device: int) -> Any:
 
 
 def device_uuid(device: int) -> str:
-    """The GPU's UUID in NVML's ``GPU-…`` form."""
-    runtime = _visible(check_device(device))
-    return format_uuid(bytes(runtime.getDeviceProperties(device)["uuid"]))
+    """The GPU's UUID in NVML's ``GPU-…`` form (`kvd_client.cuda.device_uuid`)."""
+    _visible(check_device(device))
+    try:
+        return client_cuda.device_uuid(device)
+    except CudaUnavailableError as exc:
+        raise StartupError(str(exc)) from None
 
 
 _NVML_LOCK: Final = threading.Lock()
@@ -114,7 +118,7 @@ def nvml_memory(uuid: str) -> tuple[int, int] | None:
     try:
         handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
         info = nvml.nvmlDeviceGetMemoryInfo(handle)
-    except nvml.NVMLError:
+    except Exception:  # NVMLError, or a pynvml that wants bytes: fall back to CUDA
         return None
     return int(info.free), int(info.total)
 

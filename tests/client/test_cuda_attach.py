@@ -20,7 +20,9 @@ from kvd_client.cuda import (
     CudaPool,
     CudaUnavailableError,
     block_view,
+    canonical_uuid,
     copy_blocks,
+    device_uuid,
     format_uuid,
     layer_views,
 )
@@ -62,6 +64,32 @@ def test_format_uuid_matches_nvml_form() -> None:
 def test_format_uuid_rejects_anything_but_16_bytes(raw: Any) -> None:
     with pytest.raises(ValueError, match="16 bytes"):
         format_uuid(raw)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        UUID,
+        UUID.upper(),
+        "gpu-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb",
+        "8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb",
+        b"GPU-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb",
+        " GPU-8f2c1a0e5b7d4c3a9e1f00112233aabb\n",
+    ],
+)
+def test_canonical_uuid_reads_nvml_and_torch_forms(text: str | bytes) -> None:
+    assert canonical_uuid(text) == UUID
+
+
+@pytest.mark.parametrize("text", ["", "GPU-1234", "MIG-" + UUID[4:], UUID.replace("8", "g")])
+def test_canonical_uuid_refuses_anything_else(text: str) -> None:
+    assert canonical_uuid(text) is None
+
+
+@no_cupy
+def test_device_uuid_without_cupy_says_how_to_install_it() -> None:
+    with pytest.raises(CudaUnavailableError, match=r"pip install 'kvd\[cuda\]'"):
+        device_uuid(0)
 
 
 def test_memory_map_survives_msgpack() -> None:

@@ -78,7 +78,6 @@ def mapped(pool: cuda.CudaPool, clients: tuple[Worker, Worker]) -> Iterator[tupl
 def test_pool_is_its_own_2mib_allocation(pool: cuda.CudaPool) -> None:
     assert pool.size == LAYOUT.total_bytes
     assert pool.size % POOL_ALIGN == 0
-    assert pool.ptr % POOL_ALIGN == 0
     handle = pool.handle()
     assert len(handle["handle"]) == 64
     assert handle["uuid"] == device_uuid(0)
