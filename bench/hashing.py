@@ -11,7 +11,8 @@ adds its request bookkeeping around that, so this anchor is its floor).
 Figures: microseconds per block for kvd with numpy input (the wire's form),
 kvd with a list input (vLLM keeps token ids in lists), and the anchor, with
 the anchor/kvd ratio; then the same for exactly 2,048-token prompts (128
-blocks per call). Each figure is the best of ``--repeat`` passes, timed in
+blocks per call), and for single-block calls chained to a parent (what
+decoding does every 16 tokens). Each figure is the best of ``--repeat`` passes, timed in
 process CPU time (the work is single-threaded), so that other processes on a
 shared machine disturb it less. Every kvd key is checked against the anchor's.
 
@@ -61,13 +62,20 @@ def best_of(repeat: int, run: Callable[[], Any]) -> tuple[float, Any]:
     return best, result
 
 
-def measure(label: str, arrays: Sequence[npt.NDArray[np.int64]], repeat: int) -> None:
+def measure(
+    label: str, arrays: Sequence[npt.NDArray[np.int64]], repeat: int, parent: bytes | None = None
+) -> None:
     hasher = BlockHasher(BLOCK_SIZE)
     lists = [a.tolist() for a in arrays]
     blocks = sum(len(a) // BLOCK_SIZE for a in arrays)
-    t_array, got = best_of(repeat, lambda: [hasher.keys(a, None) for a in arrays])
-    t_list, got_list = best_of(repeat, lambda: [hasher.keys(t, None) for t in lists])
-    t_ref, want = best_of(repeat, lambda: reference(lists, root_digest()))
+    first = 0 if parent is None else 1
+    t_array, got = best_of(
+        repeat, lambda: [hasher.keys(a, parent, first_block=first) for a in arrays]
+    )
+    t_list, got_list = best_of(
+        repeat, lambda: [hasher.keys(t, parent, first_block=first) for t in lists]
+    )
+    t_ref, want = best_of(repeat, lambda: reference(lists, parent or root_digest()))
     if got != want or got_list != want:
         raise SystemExit(f"{label}: kvd's keys differ from the reference")
     us = 1e6 / blocks
@@ -95,6 +103,9 @@ def main() -> None:
         measure(f"{args.prompts} prompts 256-2048, vocab {vocab}", prompts, args.repeat)
         full = [rng.integers(0, vocab, 2048) for _ in range(args.prompts // 4)]
         measure(f"{len(full)} prompts of 2048, vocab {vocab}", full, args.repeat)
+        single = [rng.integers(0, vocab, BLOCK_SIZE) for _ in range(args.prompts * 4)]
+        parent = hashlib.sha256(b"a block before").digest()
+        measure(f"{len(single)} single blocks, vocab {vocab}", single, args.repeat, parent)
 
 
 if __name__ == "__main__":

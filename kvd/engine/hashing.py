@@ -71,7 +71,6 @@ _ARRAY: Final = 4
 _TRIPLE_HEAD: Final = b"\x83\x58\x20"
 _TRIPLE_HEAD_HASH: Final = hashlib.sha256(_TRIPLE_HEAD)
 _NULL: Final = b"\xf6"
-_NULL_ROW: Final = np.frombuffer(_NULL, dtype=np.uint8)
 
 # Width classes of a CBOR unsigned int: < 24 (1 byte), < 2**8 (2), < 2**16 (3),
 # < 2**32 (5). Each token is first written right-aligned in a big-endian 8-byte
@@ -89,8 +88,9 @@ _CLASS_HEAD: Final = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.u
 # as one uint64 so that a take() by class yields the byte mask directly.
 _KEEP_BYTES: Final = np.arange(8) >= 8 - np.array(_CLASS_WIDTH)[:, None]
 _CLASS_KEEP: Final = _KEEP_BYTES.view(np.uint64).reshape(-1)
-# Blocks encoded per numpy pass: bounds the scratch memory of a huge call.
-_CHUNK_BLOCKS: Final = 4096
+# Tokens encoded per numpy pass (rounded to whole blocks): bounds the scratch
+# memory of a huge call to a few MiB.
+_CHUNK_TOKENS: Final = 65536
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -179,13 +179,14 @@ class BlockHasher:
 
     root: bytes
     block_size: int
+    _array_head: bytes
 
     def __init__(self, block_size: int, seed: str = DEFAULT_HASH_SEED) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.root = root_digest(seed)
-        self._array_head = np.frombuffer(_cbor_head(_ARRAY, block_size), dtype=np.uint8)
+        self._array_head = _cbor_head(_ARRAY, block_size)
 
     def keys(
         self,
@@ -241,18 +242,18 @@ class BlockHasher:
 
         # Every block's encoding starts with the same three bytes: hash them once.
         fresh = _TRIPLE_HEAD_HASH.copy
+        array_head = self._array_head
         out: list[bytes] = []
         append = out.append
-        for first in range(0, num_blocks, _CHUNK_BLOCKS):
-            chunk = blocks[first : first + _CHUNK_BLOCKS]
-            data, ends = self._encode(chunk, extras, uniform)
+        chunk = max(1, _CHUNK_TOKENS // bs)
+        for first in range(0, num_blocks, chunk):
+            data, ends = _encode_tokens(blocks[first : first + chunk], uniform)
             start = 0
             if first == 0 and block0_extras is not None:
                 end = ends[0]
                 h = fresh()
                 h.update(parent)
-                h.update(data[: end - len(extras)])
-                h.update(block0_extras)
+                h.update(array_head + data[:end] + block0_extras)
                 parent = h.digest()
                 append(parent)
                 start = end
@@ -260,63 +261,41 @@ class BlockHasher:
             for end in ends:
                 h = fresh()
                 h.update(parent)
-                h.update(data[start:end])
+                h.update(array_head + data[start:end] + extras)
                 parent = h.digest()
                 append(parent)
                 start = end
         return out
 
-    def _encode(
-        self, blocks: npt.NDArray[np.integer], extras: bytes, uniform: int | None
-    ) -> tuple[bytes, Sequence[int]]:
-        """CBOR of ``(tokens, extras)`` of each block: everything after the parent key.
 
-        Returns the encodings of all blocks back to back and where each ends.
-        ``uniform`` is the width class of every token, when they share one.
-        """
-        num_blocks, bs = blocks.shape
-        head = self._array_head
-        hlen, elen = head.size, len(extras)
-        extras_row = _NULL_ROW if extras == _NULL else np.frombuffer(extras, dtype=np.uint8)
+def _encode_tokens(
+    blocks: npt.NDArray[np.integer], uniform: int | None
+) -> tuple[bytes, Sequence[int]]:
+    """CBOR of the token ids of each block (without the array head), back to back.
 
-        if uniform is not None:
-            # One width for every token (common for the one block that decoding
-            # completes at a time): fixed-stride rows, nothing to drop.
-            width = _CLASS_WIDTH[uniform]
-            stop = hlen + width * bs
-            stride = stop + elen
-            rows = np.empty((num_blocks, stride), dtype=np.uint8)
-            rows[:, :hlen] = head
-            rows[:, stop:] = extras_row
-            tok = rows[:, hlen:stop].reshape(num_blocks, bs, width)
-            if width == 1:
-                tok[:, :, 0] = blocks
-            else:
-                tok[:, :, 0] = 0x17 + uniform
-                value = blocks.astype(">u4").view(np.uint8).reshape(num_blocks, bs, 4)
-                tok[:, :, 1:] = value[:, :, 5 - width :]
-            total = num_blocks * stride
-            return rows.tobytes(), range(stride, total + 1, stride)
-
-        # Mixed widths: every token in an 8-byte word, then keep the used bytes.
-        flat = blocks.reshape(-1)
-        index = flat >> 3
-        np.minimum(index, _CLASS_OF.size - 1, out=index)
-        cls = _CLASS_OF.take(index)
+    Returns the bytes and where each block's part ends. ``uniform`` is the width
+    class of every token, when they share one.
+    """
+    flat = blocks.reshape(-1)
+    if uniform is not None:
+        # One width for every token: a fixed stride, nothing to search.
+        width = _CLASS_WIDTH[uniform]
         words = flat.astype(np.uint64)
-        words |= _CLASS_HEAD.take(cls)
-        stop = hlen + 8 * bs
-        stride = stop + elen
-        rows = np.empty((num_blocks, stride), dtype=np.uint8)
-        keep = np.empty((num_blocks, stride), dtype=bool)
-        rows[:, :hlen] = head
-        rows[:, stop:] = extras_row
-        rows[:, hlen:stop] = words.astype(">u8").view(np.uint8).reshape(num_blocks, 8 * bs)
-        keep[:, :hlen] = True
-        keep[:, stop:] = True
-        keep[:, hlen:stop] = _CLASS_KEEP.take(cls).view(bool).reshape(num_blocks, 8 * bs)
-        kept = keep.reshape(-1).nonzero()[0]
-        # A block's encoding ends where the kept bytes of the rows before it end.
-        row_ends = np.arange(stride, (num_blocks + 1) * stride, stride)
-        ends: list[int] = kept.searchsorted(row_ends).tolist()
-        return rows.reshape(-1).take(kept).tobytes(), ends
+        words |= _CLASS_HEAD[uniform]
+        data = words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - width :].tobytes()
+        step = width * blocks.shape[1]
+        return data, range(step, len(data) + 1, step)
+    index = flat >> 3
+    np.minimum(index, _CLASS_OF.size - 1, out=index)
+    cls = _CLASS_OF.take(index)
+    words = flat.astype(np.uint64)
+    words |= _CLASS_HEAD.take(cls)
+    kept = _CLASS_KEEP.take(cls).view(bool).nonzero()[0]
+    data = words.astype(">u8").view(np.uint8).take(kept).tobytes()
+    num_blocks, bs = blocks.shape
+    if num_blocks == 1:  # the common decode-time call: nothing to search
+        return data, (len(data),)
+    # A block's part ends where the kept bytes of its last word end.
+    block_ends = np.arange(8 * bs, 8 * bs * num_blocks + 1, 8 * bs)
+    ends: list[int] = kept.searchsorted(block_ends).tolist()
+    return data, ends

@@ -127,11 +127,11 @@ def test_keys_equal_the_reference_for_any_tokens(
 
 
 def test_a_call_longer_than_one_encoding_pass_equals_the_reference() -> None:
-    # block_size 1 and 5,000 blocks: more than one numpy pass (4,096 blocks each);
-    # the salt must still go on block 0 only.
-    tokens = np.random.default_rng(3).choice(np.array(EDGES), size=5000)
-    got = BlockHasher(1).keys(tokens, None, namespace="t", adapter="a")
-    assert got == reference_keys(tokens, 1, None, namespace="t", adapter="a")
+    # 70,000 tokens: more than one numpy pass (65,536 tokens each); the salt must
+    # still go on block 0 only.
+    tokens = np.random.default_rng(3).choice(np.array(EDGES), size=70_000)
+    got = BlockHasher(16).keys(tokens, None, namespace="t", adapter="a")
+    assert got == reference_keys(tokens, 16, None, namespace="t", adapter="a")
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64, np.uint64])
