@@ -39,6 +39,7 @@ __all__ = [
     "check_headroom",
     "create",
     "refusal",
+    "remove_stale",
 ]
 
 #: Pools are whole multiples of 2 MiB, CUDA's allocation granularity for large buffers.
@@ -88,6 +89,14 @@ def capacity(*, device: int = 0, headroom_bytes: int = 0) -> Capacity:
     check_headroom(headroom_bytes)
     mem = device_memory(device)
     return Capacity(max(0, mem.free - headroom_bytes), f"{mem.place} {mem.uuid} ({mem.source})")
+
+
+def remove_stale(*, instance: str, **_opts: Any) -> list[str]:
+    """A dead daemon's cuda pools need no cleanup: the driver freed them when it exited.
+
+    Touches no GPU (every daemon calls this at start, shm-only ones too).
+    """
+    return []
 
 
 class CudaPool:

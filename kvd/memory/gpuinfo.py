@@ -62,7 +62,7 @@ def cupy_module() -> Any:
     try:
         return load_cupy()
     except CudaUnavailableError as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(exc.message) from None
 
 
 def device_count() -> int:
@@ -88,7 +88,7 @@ def device_uuid(device: int) -> str:
     try:
         return client_cuda.device_uuid(device)
     except CudaUnavailableError as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(exc.message) from None
 
 
 _NVML_LOCK: Final = threading.Lock()

@@ -102,6 +102,21 @@ def test_registry_options_match_the_entry_points() -> None:
     assert keyword_only(cuda.capacity) == cuda.CAPACITY_OPTS
 
 
+def test_remove_stale_has_nothing_to_remove_and_needs_no_gpu() -> None:
+    assert cuda.remove_stale(instance="abc", device=0) == []
+
+
+def test_the_registry_entry_works_without_cupy() -> None:
+    from kvd import memory
+
+    entry = memory.BACKENDS.get("cuda")
+    if entry is None:
+        pytest.skip("kvd.memory does not register the cuda backend yet")
+    assert entry.create_opts == cuda.CREATE_OPTS
+    assert entry.capacity_opts == cuda.CAPACITY_OPTS
+    assert memory.remove_stale_segments("abc", shm_dir="/nonexistent-kvd-test") == []
+
+
 def device(free: int) -> DeviceMemory:
     return DeviceMemory(index=0, uuid=UUID, free=free, total=141 * GiB, source="nvml")
 

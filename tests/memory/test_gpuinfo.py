@@ -40,8 +40,9 @@ def test_place_names_the_device_for_the_budget() -> None:
     ],
 )
 def test_without_cupy_every_reading_says_how_to_install_it(call: Any) -> None:
-    with pytest.raises(StartupError, match=r"cupy is not installed: pip install 'kvd\[cuda\]'"):
+    with pytest.raises(StartupError) as info:
         call()
+    assert str(info.value).startswith("cupy is not installed: pip install 'kvd[cuda]'")
 
 
 def test_bad_device_is_refused_before_cupy_is_needed() -> None:
