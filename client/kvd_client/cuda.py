@@ -247,6 +247,8 @@ def local_device(uuid: str) -> int:
 def _close_ipc(cupy: Any, device: int, base: int) -> None:
     try:
         with cupy.cuda.Device(device):
+            # Work queued by views that are gone may still run: let it finish first.
+            cupy.cuda.runtime.deviceSynchronize()
             cupy.cuda.runtime.ipcCloseMemHandle(base)
     except cupy.cuda.runtime.CUDARuntimeError:
         # The context is already gone (interpreter exit): the driver unmaps for us.
