@@ -114,6 +114,18 @@ class Engine:
     subclass) and checks capacity (returning a `Refusal`) before it changes
     anything. Side effects on the prefix cache are queued as events that
     the caller takes with `drain_events`.
+
+    Reservations: a sequence promised growth to ``reserve`` tokens holds
+    ``ceil(reserve / bs) - len(table)`` blocks in reserve, plus one for a
+    private copy while its partial last block may be shared or cached. That
+    flag is set by the sequence's own operations and by forks of it, and is
+    cleared only by its own next write, so it may over-reserve one block
+    after another holder lets go; it never under-reserves, which is why
+    growth within a reservation cannot be refused.
+
+    Duplicates: when a committed block's key is already in the index
+    (another sequence computed the same block at the same time), the new
+    block stays private, without a key; the index keeps one block per key.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -288,7 +300,9 @@ class Engine:
     ) -> Allocation | Refusal:
         """Create sequence ``seq_id`` for ``tokens``: match the longest cached
         prefix (capped so the last token is always computed), allocate the
-        rest and hold blocks in reserve for growth to ``reserve`` tokens."""
+        rest and hold blocks in reserve for growth to ``reserve`` tokens
+        (None, or no more than the prompt: no reservation). Prefix hits
+        count as committed."""
         sess = self._session(sid)
         if type(seq_id) is not str:
             raise InvalidError(f"sequence id must be a str, got {type(seq_id).__name__}")
