@@ -104,7 +104,8 @@ def measure(
     blocks = torch.randperm(layout.num_blocks, generator=gen)[:n].to(device)
     shape = (2, n, layout.block_size, layout.num_kv_heads, layout.head_dim)
     dtype = layers[0].dtype
-    sources = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in layers]
+    on_device = torch.Generator(device=device).manual_seed(SEED)  # GiBs of values: make them there
+    sources = [torch.randn(shape, generator=on_device, device=device, dtype=dtype) for _ in layers]
     nbytes = sum(s.numel() * s.element_size() for s in sources)
     tokens = n * layout.block_size
     table = blocks.cpu().numpy()
