@@ -11,7 +11,9 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEST="$REPO/wheels"
 
-# The versions kvd is tested with (the project's .venv); rich needs the last three.
+# The versions kvd is tested with (the project's .venv): kvd's requirements that the GPU
+# image lacks or may hold too old, and what each needs in turn (rich: markdown-it-py,
+# mdurl, pygments; anyio: idna, typing-extensions). numpy is not carried (the image's is used).
 PACKAGES=(
     pyzmq==27.3.0
     structlog==26.1.0
@@ -20,6 +22,10 @@ PACKAGES=(
     markdown-it-py==4.3.0
     mdurl==0.1.2
     pygments==2.21.0
+    msgpack==1.2.4
+    anyio==4.16.0
+    idna==3.20
+    typing-extensions==4.16.0
 )
 
 while [ $# -gt 0 ]; do

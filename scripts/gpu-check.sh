@@ -6,7 +6,7 @@
 #
 # Steps; each runs even when an earlier one failed, and the exit status is 1 when any did:
 #   env      Python, torch, cupy, NVML versions, the GPU and its free memory  -> env.txt
-#   deps     kvd's dependencies the machine lacks, from wheels/ (pip --no-index --no-deps)
+#   deps     kvd's requirements the machine does not meet, from wheels/ (pip --no-index)
 #   install  kvd from this checkout with --no-deps into a scratch folder (on PYTHONPATH)
 #   tests    pytest -m cuda tests/gpu: a pool's own allocation, export and zeroing, two
 #            client processes writing and reading the same blocks, copy-on-write, a
@@ -24,7 +24,7 @@
 # nvidia-ml-py, numpy, msgpack, anyio and pytest already installed.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU, to prove the plumbing:
-# every wheel installed for cp312 into a scratch folder with no index (the set is complete),
+# kvd's requirements resolved for cp312 from the wheels alone, into a scratch folder,
 # kvd installed with --no-deps, the GPU tests collected and every one skipped with its
 # reason, the bench on CPU tensors.
 
@@ -135,9 +135,32 @@ step() {
     say "== $name: $status (${NOTE:-rc $rc}) in $((SECONDS - start)) s"
 }
 
-# Module to import, and the distribution that provides it (all of them in wheels/).
-DEPS=(zmq:pyzmq structlog:structlog prometheus_client:prometheus-client rich:rich
-      markdown_it:markdown-it-py mdurl:mdurl pygments:pygments)
+# kvd's runtime requirements (pyproject.toml). All but numpy are carried in wheels/, with
+# what they need in turn; the machine's own copies are used when they are new enough.
+REQUIREMENTS=("numpy>=1.26" "msgpack>=1.0.8" "pyzmq>=26" "anyio>=4.4" "structlog>=24.1"
+              "prometheus-client>=0.20" "rich>=13")
+
+# unsatisfied: the requirements the current interpreter (and PYTHONPATH) does not meet.
+unsatisfied() {
+    "$PY" - "${REQUIREMENTS[@]}" <<'EOF'
+import importlib.metadata as md
+import re
+import sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # presence only
+    Requirement = None
+for spec in sys.argv[1:]:
+    name = re.split(r"[<>=!~ ;]", spec, maxsplit=1)[0]
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        print(spec)
+        continue
+    if Requirement is not None and not Requirement(spec).specifier.contains(version, True):
+        print(spec)
+EOF
+}
 
 step_env() {
     {
@@ -180,43 +203,49 @@ step_deps() {
     local wheels
     wheels=$(find "$WHEELS" -maxdepth 1 -name '*.whl' 2>/dev/null | wc -l)
     if [ "$DRY" = 1 ]; then
-        # Prove the carried set is complete: all of it, for cp312, with no index.
+        # Prove the carried set is complete: every requirement but numpy, resolved for
+        # CPython 3.12 from the wheels alone.
         if [ "$wheels" -eq 0 ]; then
             NOTE="no wheels in $WHEELS: run scripts/fetch-gpu-wheels.sh"
             return 1
         fi
-        local dists=() d
-        for d in "${DEPS[@]}"; do dists+=("${d#*:}"); done
-        local platforms=() p
+        local specs=() r platforms=() p
+        for r in "${REQUIREMENTS[@]}"; do [ "${r%%[<>=]*}" = numpy ] || specs+=("$r"); done
         for p in manylinux_2_28_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 \
                  manylinux2014_x86_64; do
             platforms+=(--platform "$p")
         done
-        bounded 120 "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" \
+        bounded 120 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" \
             --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-            --target "$SCRATCH/cp312" "${dists[@]}" || { NOTE="the wheels do not install"; return 1; }
-        NOTE="all ${#dists[@]} wheels install for cp312 with no index"
+            --target "$SCRATCH/cp312" "${specs[@]}" || { NOTE="the wheels do not resolve"; return 1; }
+        local n
+        n=$(find "$SCRATCH/cp312" -maxdepth 1 -name '*.dist-info' | wc -l)
+        NOTE="$n distributions install for cp312 from the wheels alone"
         return 0
     fi
-    local missing=() d
-    for d in "${DEPS[@]}"; do
-        "$PY" -c "import ${d%%:*}" >/dev/null 2>&1 || missing+=("${d#*:}")
-    done
+    local missing=()
+    mapfile -t missing < <(unsatisfied)
     if [ ${#missing[@]} -eq 0 ]; then
-        NOTE="every dependency already importable"
+        NOTE="every requirement already met"
         return 0
     fi
-    say "installing from $WHEELS: ${missing[*]}"
+    say "not met here: ${missing[*]}"
+    case " ${missing[*]} " in
+        *" numpy"*) NOTE="numpy is missing or too old, and it is not carried"; return 1 ;;
+    esac
     if [ "$wheels" -eq 0 ]; then
-        NOTE="missing ${missing[*]} and no wheels in $WHEELS (scripts/fetch-gpu-wheels.sh; carry wheels)"
+        NOTE="${missing[*]} not met and no wheels in $WHEELS (scripts/fetch-gpu-wheels.sh; carry wheels)"
         return 1
     fi
-    bounded 120 "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" \
+    bounded 120 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" \
         --target "$DEPS_SITE" "${missing[@]}" || { NOTE="pip could not install ${missing[*]}"; return 1; }
     export PYTHONPATH=$DEPS_SITE
-    for d in "${DEPS[@]}"; do
-        "$PY" -c "import ${d%%:*}" || { NOTE="${d%%:*} still not importable"; return 1; }
-    done
+    local still=()
+    mapfile -t still < <(unsatisfied)
+    if [ ${#still[@]} -ne 0 ]; then
+        NOTE="still not met after installing: ${still[*]}"
+        return 1
+    fi
     NOTE="installed ${missing[*]}"
 }
 
