@@ -1,0 +1,179 @@
+"""Helpers shared by the benchmarks: timing, percentiles, the figure-beside-anchor table.
+
+Every benchmark reports `Figure` rows: a measured value, the anchor measured in the
+same run, their ratio (or difference, for percentages) and whether the target is met.
+Nothing here asserts on time; the table is the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+__all__ = [
+    "RESULTS_DIR",
+    "Figure",
+    "machine",
+    "median_of",
+    "percentile",
+    "print_table",
+    "rss_bytes",
+    "write_results",
+]
+
+T = TypeVar("T")
+
+#: Where ``--json`` results go (git-ignored); the committed plots live here too.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One measured figure beside its anchor.
+
+    ``compare="ratio"``: the score is ``value / anchor`` and the target a ratio
+    (``>= 3.0`` for throughput, ``<= 1.5`` for latency). ``compare="points"``: both
+    are fractions in [0, 1] and the score is their difference in percentage points
+    (``>= 0.0``: at least the anchor; ``>= -5.0``: within 5 points below it).
+    """
+
+    name: str
+    value: float
+    unit: str
+    anchor_name: str
+    anchor: float
+    target: float
+    higher_is_better: bool = True
+    compare: Literal["ratio", "points"] = "ratio"
+    note: str = field(default="", compare=False)
+
+    @property
+    def score(self) -> float:
+        """``value / anchor`` (ratio) or ``100 * (value - anchor)`` (points)."""
+        if self.compare == "points":
+            return 100.0 * (self.value - self.anchor)
+        return self.value / self.anchor if self.anchor else float("inf")
+
+    @property
+    def met(self) -> bool:
+        """Whether the score is on the right side of the target."""
+        return self.score >= self.target if self.higher_is_better else self.score <= self.target
+
+    def describe_target(self) -> str:
+        """The target as printed, e.g. ``>= 3.00x`` or ``>= -5.0 pt``."""
+        op = ">=" if self.higher_is_better else "<="
+        if self.compare == "points":
+            return f"{op} {self.target:+.1f} pt"
+        return f"{op} {self.target:.2f}x"
+
+    def describe_score(self) -> str:
+        """The score as printed, e.g. ``3.41x`` or ``-2.3 pt``."""
+        if self.compare == "points":
+            return f"{self.score:+.1f} pt"
+        return f"{self.score:.2f}x"
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "%":
+        return f"{100 * value:.2f} %"
+    if abs(value) >= 100:
+        return f"{value:,.0f} {unit}"
+    return f"{value:.3g} {unit}"
+
+
+def print_table(title: str, figures: Sequence[Figure]) -> None:
+    """Print ``figures`` as an aligned table: figure, anchor, score, target, met."""
+    header = ("figure", "value", "anchor", "anchor value", "score", "target", "met")
+    rows = [
+        (
+            f.name,
+            _fmt(f.value, f.unit),
+            f.anchor_name,
+            _fmt(f.anchor, f.unit),
+            f.describe_score(),
+            f.describe_target(),
+            "yes" if f.met else "NO",
+        )
+        for f in figures
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    for f in figures:
+        if f.note:
+            print(f"  note ({f.name}): {f.note}")
+
+
+def median_of(repeat: int, run: Callable[[], T], key: Callable[[T], float]) -> T:
+    """Run ``run`` ``repeat`` times and return the result whose ``key`` is the median.
+
+    The median (not the best) because the machine is shared: it is the figure a
+    rerun is most likely to reproduce. With an even count the lower middle is taken.
+    """
+    if repeat < 1:
+        raise ValueError("repeat must be at least 1")
+    results = sorted((run() for _ in range(repeat)), key=key)
+    return results[(len(results) - 1) // 2]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolated like numpy's default."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError("q must lie in [0, 100]")
+    return _interpolate(sorted(values), q)
+
+
+def _interpolate(ordered: Sequence[float], q: float) -> float:
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (``VmRSS`` from ``/proc``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def machine() -> str:
+    """One line naming the machine: CPU model, cores, Python, date."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    cores = os.cpu_count() or 0
+    today = time.strftime("%Y-%m-%d")
+    return f"{model}, {cores} cores, Python {platform.python_version()}, {today}"
+
+
+def write_results(name: str, figures: Sequence[Figure], extra: dict[str, object]) -> Path:
+    """Write ``figures`` and ``extra`` to ``bench/results/<name>.json``; return the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    data = {
+        "machine": machine(),
+        "figures": [{**asdict(f), "score": f.score, "met": f.met} for f in figures],
+        **extra,
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
