@@ -60,7 +60,7 @@ def pool_matches(address: str, pool: str, layout: PoolLayout, timeout: float = 0
     """Whether a daemon answers at ``address`` and hosts ``pool`` with exactly ``layout``."""
     try:
         with Client.connect(address, pool=pool, name="kvd-llm-probe", timeout=timeout) as kv:
-            return kv.layout == layout
+            return bool(kv.layout == layout)
     except KvdError:  # nothing there (DaemonUnavailable), no such pool, another layout
         return False
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch.nn import functional as F
 
 from kvd_client.errors import InvalidRequest
 
@@ -121,15 +122,16 @@ def causal_attention(
             f"query {tuple(query.shape)} does not fit key {tuple(key.shape)} / "
             f"value {tuple(value.shape)}"
         )
-    groups = num_heads // num_kv_heads
-    k = key.repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, T, D]
-    v = value.repeat_interleave(groups, dim=1).transpose(0, 1)
-    scores = torch.matmul(query.transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, q, T]
-    q_pos = torch.arange(total - q_len, total, device=query.device)[:, None]
-    k_pos = torch.arange(total, device=query.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    return torch.matmul(weights, v).transpose(0, 1)
+    q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # heads first
+    if q_len == total:  # a whole sequence: SDPA's own (top-left aligned) causal mask fits
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # the last q positions: query i sees keys [0, T - q + i]
+        rows = torch.arange(total - q_len, total, device=query.device)[:, None]
+        allowed = torch.arange(total, device=query.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    return out.transpose(0, 1)
 
 
 def paged_attention(
