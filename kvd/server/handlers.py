@@ -57,6 +57,10 @@ DRAIN_REFUSED: Final = frozenset(
 )
 
 
+#: Kind names for stats, looked up once (Enum.name is a descriptor call).
+_KIND_NAMES: Final = {kind: kind.name for kind in P.Kind}
+
+
 class RequestError(Exception):
     """A handler's refusal of a request (not a bug): replied with ``code``."""
 
@@ -180,7 +184,7 @@ class Dispatcher:
     ) -> tuple[str, int, list[bytes]]:
         """(kind name for stats, operations carried, reply frames)."""
         try:
-            if sum(len(f) for f in frames) > P.MAX_MESSAGE_BYTES:
+            if sum(map(len, frames)) > P.MAX_MESSAGE_BYTES:
                 raise P.ProtocolError(
                     P.Code.TOO_LARGE, f"message larger than {P.MAX_MESSAGE_BYTES} bytes"
                 )
@@ -201,10 +205,14 @@ class Dispatcher:
                     )
             outcome = self._run(req, ctx)
         except RequestError as exc:
-            return req.KIND.name, ops, self._error(req_id, exc.code, exc.message)
+            return _KIND_NAMES[req.KIND], ops, self._error(req_id, exc.code, exc.message)
         if isinstance(outcome, Refusal):
-            return req.KIND.name, ops, self._error(req_id, P.Code(outcome.code), outcome.message)
-        return req.KIND.name, ops, P.encode_ok(req_id, outcome)
+            return (
+                _KIND_NAMES[req.KIND],
+                ops,
+                self._error(req_id, P.Code(outcome.code), outcome.message),
+            )
+        return _KIND_NAMES[req.KIND], ops, P.encode_ok(req_id, outcome)
 
     def _run(self, req: P.Request, ctx: _Ctx) -> _Outcome:
         """One request (or batch op) through its handler; errors become RequestError."""
