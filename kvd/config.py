@@ -220,6 +220,8 @@ class PoolConfig:
     prefault: bool = True
     #: Ask for transparent huge pages (MADV_HUGEPAGE) on the daemon's mapping.
     hugepages: bool = False
+    #: GPU index of a ``cuda`` pool (ignored by ``shm``).
+    device: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name", "must match [A-Za-z0-9_.-]{1,64}")
@@ -232,6 +234,7 @@ class PoolConfig:
         )
         for key in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             _require(getattr(self, key) > 0, key, "must be > 0")
+        _require(self.device >= 0, "device", "must be a GPU index >= 0")
 
     @property
     def layout(self) -> PoolLayout:

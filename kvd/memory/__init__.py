@@ -1,4 +1,4 @@
-"""The pool's bytes: a registry of memory backends (``shm`` now, ``cuda`` later).
+"""The pool's bytes: a registry of memory backends (``shm``, ``cuda``).
 
 ``create_pool_memory(backend, name, layout, **opts)`` creates one pool's
 memory; ``backend_capacity(backend, **opts)`` says how much the backend
@@ -15,7 +15,7 @@ from typing import Any
 from kvd_client.layout import PoolLayout
 
 from kvd.errors import StartupError
-from kvd.memory import shm
+from kvd.memory import cuda, shm
 from kvd.memory.base import Capacity, PoolMemory
 
 __all__ = [
@@ -51,6 +51,14 @@ BACKENDS: dict[str, _Backend] = {
         remove_stale=shm.remove_stale,
         create_opts=frozenset({"instance", "shm_dir", "prefault", "hugepages"}),
         capacity_opts=frozenset({"shm_dir"}),
+    ),
+    # Importing the cuda backend touches no GPU and imports no cupy/torch.
+    "cuda": _Backend(
+        create=cuda.create,
+        capacity=cuda.capacity,
+        remove_stale=cuda.remove_stale,
+        create_opts=cuda.CREATE_OPTS,
+        capacity_opts=cuda.CAPACITY_OPTS,
     ),
 }
 

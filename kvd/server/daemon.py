@@ -7,7 +7,7 @@ prefault every pool (in worker threads); bind the socket; then "ready"
 (log line, ``READY=1`` under systemd, ``task_status.started``).
 
 Serving is one root task group: the socket loop, the maintenance loop
-(pid watch and lease expiry), the signal receiver, the systemd watchdog
+(pid watch, lease expiry, pressure notices), the signal receiver, the systemd watchdog
 and, when enabled, the metrics endpoint and KV events publisher.
 
 The socket loop drives a plain zmq socket with ``anyio.wait_readable`` on
@@ -112,7 +112,7 @@ class Daemon:
         free: dict[str, int] = {}
         requests = []
         for pool in self.config.pools:
-            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir)
+            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
             place = f"{pool.backend} ({cap.where})"
             free[place] = cap.bytes
             requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
@@ -129,6 +129,8 @@ class Daemon:
             shm_dir=self.config.memory.shm_dir,
             prefault=pool.prefault,
             hugepages=pool.hugepages,
+            device=pool.device,
+            headroom_bytes=self.config.memory.headroom_bytes,
         )
 
     def _engine(self, pool: PoolConfig) -> Engine:
@@ -372,6 +374,11 @@ class Daemon:
                 dispatcher.close_session(session, "pid_exited")
             for session in sessions.expired():
                 dispatcher.close_session(session, "lease_expired")
+            sock = self._sock
+            for identity, frames in dispatcher.pressure_notices():
+                if sock is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send_multipart([identity, *frames], zmq.NOBLOCK)
 
     async def _watchdog(self, notifier: Notifier, interval: float) -> None:
         while True:

@@ -137,6 +137,7 @@ class Dispatcher:
         self.draining = False
         self.rpc = RpcStats(clock=clock)
         self.closed_sessions: Counter[str] = Counter()
+        self._pressure: dict[str, int] = {}
         #: More stats sections by name (the daemon adds ``events`` when publishing).
         self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._table: dict[int, _Handler] = {
@@ -516,6 +517,38 @@ class Dispatcher:
             "reserved": stats.reserved,
             "total": stats.blocks_total,
         }
+
+    def pressure_notices(self) -> list[tuple[bytes, list[bytes]]]:
+        """Notices for the sessions of each pool whose usage crossed a threshold since last call.
+
+        Usage is (blocks in use + reserved) / blocks: what running sequences
+        hold or are promised (evictable cached blocks count as available).
+        A crossing up or down sends ``pressure`` with the pool, the usage, the
+        level (how many of ``admission.pressure_thresholds`` are reached) and
+        those thresholds, to every session of the pool. Called periodically
+        by the daemon, never per request.
+        """
+        thresholds = self.config.admission.pressure_thresholds
+        out: list[tuple[bytes, list[bytes]]] = []
+        for name, pool in self.pools.items():
+            es = pool.engine.stats()
+            usage = (es.blocks_in_use + es.reserved) / es.blocks_total
+            level = sum(usage >= t for t in thresholds)
+            if level == self._pressure.get(name, 0):
+                continue
+            self._pressure[name] = level
+            log.info("pressure", pool=name, usage=round(usage, 4), level=level)
+            frames = P.encode_notice(
+                "pressure",
+                {
+                    "pool": name,
+                    "usage": round(usage, 4),
+                    "level": level,
+                    "thresholds": list(thresholds),
+                },
+            )
+            out.extend((s.identity, frames) for s in self.sessions if s.pool == name)
+        return out
 
     def in_flight(self) -> int:
         """Sequences held by all sessions (what a graceful drain waits for)."""

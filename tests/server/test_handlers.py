@@ -555,3 +555,31 @@ def test_service_time_is_observed_per_kind(h: Harness) -> None:
     h.err([b"\x7e", b"\x80"])
     assert [kind for kind, _ in h.observed] == ["ping", "invalid"]
     assert all(s >= 0 for _, s in h.observed)
+
+
+def test_pressure_notices_on_crossing_up_and_down() -> None:
+    harness = Harness(_config(**{"admission.pressure_thresholds": "[0.5, 0.75]"}))
+    try:
+        harness.hello(b"A")
+        harness.hello(b"B")
+        assert harness.d.pressure_notices() == []
+        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
+        notices = harness.d.pressure_notices()
+        assert sorted(who for who, _ in notices) == [b"A", b"B"]
+        notice = P.decode_reply(notices[0][1])
+        assert isinstance(notice, P.Notice)
+        assert notice.event == "pressure"
+        assert notice.data == {
+            "pool": "default",
+            "usage": 13 / 16,
+            "level": 2,
+            "thresholds": [0.5, 0.75],
+        }
+        assert harness.d.pressure_notices() == []  # no crossing, no notice
+        harness.ok(P.Free(id=2, seq="s"), b"A")
+        (_, frames), _ = harness.d.pressure_notices()
+        down = P.decode_reply(frames)
+        assert isinstance(down, P.Notice)
+        assert down.data["level"] == 0
+    finally:
+        harness.close()
