@@ -181,3 +181,25 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
     finally:
         sub.close(0)
         dealer.close(0)
+
+
+def test_pressure_notice_reaches_the_client(start_kvd) -> None:
+    daemon = start_kvd(overrides={"admission.pressure_thresholds": "[0.5]"})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.address)
+    try:
+        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        sock.send_multipart(hello.encode())
+        assert isinstance(P.decode_reply(sock.recv_multipart()), P.OkReply)
+        tokens = np.arange(40 * 16, dtype=np.int32)  # 40 of the tiny pool's 64 blocks
+        sock.send_multipart(P.Allocate(id=2, seq="s", tokens=tokens).encode())
+        assert isinstance(P.decode_reply(sock.recv_multipart()), P.OkReply)
+        assert sock.poll(10_000)
+        notice = P.decode_reply(sock.recv_multipart())
+        assert isinstance(notice, P.Notice)
+        assert (notice.event, notice.data["level"]) == ("pressure", 1)
+        sock.send_multipart(P.Goodbye(id=3).encode())
+        sock.recv_multipart()
+    finally:
+        sock.close(0)
