@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import time
 from pathlib import Path
 
 import msgpack
@@ -122,7 +123,7 @@ def test_second_signal_exits_at_once(kvd_daemon) -> None:
         kvd_daemon.signal(signal.SIGTERM)
         # wait until the daemon reports draining, then signal again
         while kvd_daemon.stats()["server"]["state"] != "draining":
-            pass
+            time.sleep(0.01)
         kvd_daemon.signal(signal.SIGINT)
         assert kvd_daemon.proc.wait(30) == 0
         assert '"exit_now"' in kvd_daemon.log()
@@ -203,3 +204,22 @@ def test_pressure_notice_reaches_the_client(start_kvd) -> None:
         sock.recv_multipart()
     finally:
         sock.close(0)
+
+
+def test_sighup_rereads_the_config_file(start_kvd, kvd_workdir) -> None:
+    path = kvd_workdir / "kvd.toml"
+    path.write_text('[log]\nlevel = "info"\n')
+    daemon = start_kvd("--config", str(path))
+    path.write_text('[log]\nlevel = "debug"\n[server]\nlease_ms = 1000\n')
+    daemon.signal(signal.SIGHUP)
+    while '"reloaded"' not in daemon.log():
+        assert daemon.proc.poll() is None
+        time.sleep(0.01)
+    (line,) = [ln for ln in daemon.log().splitlines() if '"reloaded"' in ln]
+    assert '"needs_restart": ["server"]' in line
+    path.write_text("[server\n")
+    daemon.signal(signal.SIGHUP)
+    while '"reload_failed"' not in daemon.log():
+        assert daemon.proc.poll() is None
+        time.sleep(0.01)
+    assert daemon.check()["ok"] is True
