@@ -54,6 +54,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="run B this many times (new questions each time) and report median prefill times",
     )
     p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per process (default: torch's; 1 is steadier on a busy host)",
+    )
+    p.add_argument(
         "--engine",
         choices=["paged", "hf"],
         default="paged",
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             "pool": args.pool,
             "size": args.size,
             "engine": args.engine,
+            "threads": args.threads,
             "check": True,
         }
         results = [

@@ -5,7 +5,7 @@ result line on stdout::
 
     {"address": "ipc:///...", "pool": "tiny", "name": "A", "size": "tiny",
      "engine": "paged", "prompt": [1, 2, ...], "max_new": 8,
-     "cold": false, "check": true}
+     "cold": false, "check": true, "threads": 0}
 
 It prefills the prompt (computing only what the node's prefix cache lacks),
 decodes ``max_new`` greedy tokens, frees the sequence (its committed blocks
@@ -16,7 +16,8 @@ long the prefill took. ``engine`` is ``paged`` (`PagedRunner` over
 the same prefill in a namespace of its own, where nothing is cached (after
 a warm-up, so that neither timed prefill pays torch's first-use costs);
 ``check`` compares the tokens and logits with the model's own path without
-kvd (full attention, or transformers' ``DynamicCache``).
+kvd (full attention, or transformers' ``DynamicCache``). ``threads``, when
+not 0, sets torch's intra-op threads (1 gives steadier times on a busy host).
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def _warm_up(engine: _Paged | _HF, address: str, pool: str, n: int) -> None:
 
 def serve(request: dict[str, Any]) -> dict[str, Any]:
     """Serve one request (the stdin JSON, as a dict); the result dict."""
+    if request.get("threads"):
+        torch.set_num_threads(int(request["threads"]))
     cfg = SIZES[request.get("size", "tiny")]
     engine = _HF(cfg) if request.get("engine", "paged") == "hf" else _Paged(cfg)
     prompt = [int(t) for t in request["prompt"]]

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from kvd_client import Client
+from kvd_client import Client, OutOfBlocks
 from kvd_client.errors import InvalidRequest
 
-from .support import POOL, run_python, tokens
+from .support import NUM_BLOCKS, POOL, run_python, tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def dynamic(model: Any) -> Any:
 
 PROCESS_A = """
 import torch
-from kvd_client import Client
+from kvd_client import Client, OutOfBlocks
 from kvd_client.integrations.hf import KvdCache
 from kvd_llm.hf_model import tiny_llama_hf
 
@@ -143,6 +143,13 @@ def test_a_batch_is_refused_before_anything_is_allocated(kv: Client, hf_model: A
     with pytest.raises(InvalidRequest, match="one sequence") as info:
         KvdCache(kv, hf_model, "batch", tokens(8, seed=8).repeat(2, 1))
     assert info.value.code == "INVALID"
+    assert kv.stats()["pools"][POOL]["sequences"] == 0
+    assert hf_model._forward_pre_hooks == {}
+
+
+def test_a_refused_allocation_propagates_and_attaches_nothing(kv: Client, hf_model: Any) -> None:
+    with pytest.raises(OutOfBlocks):
+        KvdCache(kv, hf_model, "huge", tokens(8, seed=14), reserve=(NUM_BLOCKS + 1) * BS)
     assert kv.stats()["pools"][POOL]["sequences"] == 0
     assert hf_model._forward_pre_hooks == {}
 

@@ -114,10 +114,10 @@ class KvdCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         if self._last:
             self._shared.sequence.commit(stop)
         keys, values = gather_kv(self._pool, table, stop)
-        return (
-            keys.transpose(0, 1).unsqueeze(0).to(key_states.dtype),
-            values.transpose(0, 1).unsqueeze(0).to(value_states.dtype),
-        )
+        # The pool may live elsewhere than the model (an shm pool under a GPU model).
+        keys = keys.to(device=key_states.device, dtype=key_states.dtype)
+        values = values.to(device=value_states.device, dtype=value_states.dtype)
+        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the next forward: the whole sequence, from 0."""

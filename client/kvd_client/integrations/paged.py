@@ -89,8 +89,8 @@ def write_kv(
         block_table, start, start + key.shape[0], layer.shape[2], layer.device
     )
     # Advanced-index assignment is an index_put_ on the view: it lands in the shared pool.
-    layer[0, blocks, slots] = key.to(layer.dtype)
-    layer[1, blocks, slots] = value.to(layer.dtype)
+    layer[0, blocks, slots] = key.to(device=layer.device, dtype=layer.dtype)
+    layer[1, blocks, slots] = value.to(device=layer.device, dtype=layer.dtype)
 
 
 def gather_kv(
