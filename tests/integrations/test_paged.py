@@ -12,14 +12,14 @@ from kvd_client.integrations.paged import (
     slot_indices,
     write_kv,
 )
-from kvd_client.layout import PoolLayout
+from kvd_client.layout import Order, PoolLayout
 
 HEADS, DIM = 2, 8
 
 
-def pool_layers(order: str, num_blocks: int = 12, bs: int = 4) -> list[torch.Tensor]:
+def pool_layers(order: Order, num_blocks: int = 12, bs: int = 4) -> list[torch.Tensor]:
     """Layer views over one flat buffer, with exactly `PoolLayout`'s strides and offsets."""
-    layout = PoolLayout(2, HEADS, DIM, "float32", bs, num_blocks, order)  # type: ignore[arg-type]
+    layout = PoolLayout(2, HEADS, DIM, "float32", bs, num_blocks, order)
     flat = torch.zeros(layout.used_bytes // 4)
     shape = (2, num_blocks, bs, HEADS, DIM)
     strides = tuple(s // 4 for s in layout.layer_strides())
@@ -38,7 +38,7 @@ def test_slot_indices_follow_the_table() -> None:
 
 
 @pytest.mark.parametrize("order", ["layer_major", "block_major"])
-def test_written_tokens_land_in_their_slots_and_gather_back(order: str) -> None:
+def test_written_tokens_land_in_their_slots_and_gather_back(order: Order) -> None:
     layers = pool_layers(order)
     table = [9, 0, 4, 11]
     key, value = kv_rows(14, seed=1)
@@ -75,7 +75,7 @@ def test_bad_writes_raise_invalid_and_write_nothing(
     layer = pool_layers("layer_major")[0]
     key, value = kv_rows(rows, seed=3)
     with pytest.raises(InvalidRequest, match=why) as info:
-        write_kv(layer, table, start, key, value)  # type: ignore[arg-type]
+        write_kv(layer, table, start, key, value)
     assert info.value.code == "INVALID"
     assert not layer.any()
 
