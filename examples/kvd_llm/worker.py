@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 from kvd_client import Client
-from kvd_client.integrations.hf import KvdCache
 
-from kvd_llm.hf_model import tiny_llama_hf
 from kvd_llm.model import SIZES, TinyConfig, TinyLlama
 from kvd_llm.runner import PagedRunner
 
@@ -68,12 +66,17 @@ class _HF:
     """The engine over transformers' ``LlamaForCausalLM`` and `KvdCache`."""
 
     def __init__(self, cfg: TinyConfig) -> None:
+        # transformers takes seconds to import: only this engine pays for it.
+        from kvd_llm.hf_model import tiny_llama_hf  # noqa: PLC0415
+
         self.model = tiny_llama_hf(cfg)
 
     def run(
         self, kv: Client, seq_id: str, prompt: list[int], max_new: int
     ) -> tuple[int, float, list[int], list[torch.Tensor]]:
         """Prefill: the uncached tail in one forward (timed); then ``generate`` the rest."""
+        from kvd_client.integrations.hf import KvdCache  # noqa: PLC0415 (see __init__)
+
         ids = torch.tensor([prompt])
         start = time.perf_counter()
         with KvdCache(kv, self.model, seq_id, ids, reserve=len(prompt) + max_new) as cache:
