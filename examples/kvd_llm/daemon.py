@@ -7,6 +7,7 @@ fresh temporary directory, stopped (SIGTERM, then SIGKILL) on exit.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -84,6 +85,8 @@ def private_daemon(
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
+        # KVD_* variables override the config file: none of the caller's may leak in.
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
     )
     try:
         deadline = time.monotonic() + startup_timeout
