@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -70,6 +71,16 @@ def test_b_reuses_the_prefix_a_committed_and_matches_dynamic_cache(
         assert cache.computed_tokens == prompt_b.shape[1] - 4 * BS + 7
         assert cache.sequence.num_tokens == prompt_b.shape[1] + 7
     assert_same_generation(got, generate(hf_model, prompt_b, dynamic(hf_model)))
+
+
+def test_the_deprecated_past_key_values_keyword_works_too(kv: Client, hf_model: Any) -> None:
+    prompt = tokens(BS + 3, seed=15)
+    with KvdCache(kv, hf_model, "pkv", prompt) as cache, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5.x: "use `cache`"
+        got = hf_model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.sequence.num_tokens == prompt.shape[1] + 3
+    want = hf_model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert got.tolist() == want.tolist()
 
 
 def test_a_plain_forward_takes_only_the_uncached_tail(kv: Client, hf_model: Any) -> None:
