@@ -1,0 +1,433 @@
+"""kvd.server.security: namespace policy, rate and size limits, key files, CURVE + ZAP on real
+sockets, and the modes of the files a real daemon creates."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+from kvd_client import protocol as P
+
+from kvd.errors import ConfigError, StartupError
+from kvd.memory.shm import segment_path
+from kvd.server.security import (
+    CurveKeys,
+    NamespacePolicy,
+    Principal,
+    RateLimiter,
+    RequestLimits,
+    ZapHandler,
+    bind_curve,
+    dir_problems,
+    load_client_keys,
+    load_server_keys,
+    principal_of,
+)
+from kvd.server.sessions import PeerCred
+
+ALICE = Principal(uid=1000, gid=100)
+BOB = Principal(uid=1001, gid=200)
+KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a z85 public key (40 characters)
+
+
+def _tokens(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int32)
+
+
+# --------------------------------------------------------------------------
+# Principals
+
+
+def test_principal_names_list_every_rule_key_that_matches_it() -> None:
+    p = Principal.of(PeerCred(uid=5, gid=6, pid=7), KEY)
+    assert p.names() == ("*", "uid:5", "gid:6", f"key:{KEY}")
+    assert Principal.of(None).names() == ("*",)
+    assert str(Principal.of(None)) == "anonymous"
+
+
+def test_principal_of_an_ipc_frame_carries_the_kernel_credentials(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind(f"ipc://{tmp_path}/p.sock")
+        dealer.connect(f"ipc://{tmp_path}/p.sock")
+        dealer.send(b"x")
+        assert router.poll(5000)
+        ident = router.recv(copy=False)
+        router.recv_multipart()
+        assert principal_of(ident) == Principal(os.getuid(), os.getgid(), None)
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+# --------------------------------------------------------------------------
+# Namespace policy
+
+
+def test_an_unenforced_policy_allows_every_namespace() -> None:
+    policy = NamespacePolicy.from_config({"uid:1000": ["a"]}, enforce=False)
+    assert policy.check_namespace(BOB, "a") is None
+    assert policy.check_namespace(Principal(), "anything") is None
+
+
+def test_an_enforced_policy_allows_only_the_listed_namespaces() -> None:
+    policy = NamespacePolicy.from_config({"uid:1000": ["tenant-a"]}, enforce=True)
+    assert policy.check_namespace(ALICE, "tenant-a") is None
+    denial = policy.check_namespace(BOB, "tenant-a")
+    assert denial is not None and denial.code == P.Code.FORBIDDEN
+    assert "uid:1001" in denial.message and "'tenant-a'" in denial.message
+    assert policy.check_namespace(ALICE, "tenant-b") is not None
+    assert policy.check_namespace(ALICE, "") is not None  # the default namespace too
+
+
+def test_prefix_patterns_and_group_rules() -> None:
+    policy = NamespacePolicy.from_config({"gid:100": ["team-a/*"], "*": [""]}, enforce=True)
+    assert policy.check_namespace(ALICE, "team-a/lora-1") is None
+    assert policy.check_namespace(ALICE, "team-ab") is not None
+    assert policy.check_namespace(BOB, "team-a/lora-1") is not None
+    assert policy.check_namespace(BOB, "") is None  # "*" covers everyone
+
+
+def test_a_curve_key_rule_matches_the_zap_user_id() -> None:
+    policy = NamespacePolicy.from_config({f"key:{KEY}": ["remote"]}, enforce=True)
+    assert policy.check_namespace(Principal(curve_key=KEY), "remote") is None
+    assert policy.check_namespace(Principal(uid=0, gid=0), "remote") is not None
+
+
+def test_user_and_group_names_are_resolved_at_load() -> None:
+    me = pwd.getpwuid(os.getuid()).pw_name
+    group = grp.getgrgid(os.getgid()).gr_name
+    policy = NamespacePolicy.from_config(
+        {f"user:{me}": ["u"], f"group:{group}": ["g"]}, enforce=True
+    )
+    assert policy.rules == {f"uid:{os.getuid()}": ("u",), f"gid:{os.getgid()}": ("g",)}
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {"user:no-such-user-kvd": ["a"]},
+        {"group:no-such-group-kvd": ["a"]},
+        {"uid:abc": ["a"]},
+        {"nobody": ["a"]},
+        {"key:short": ["a"]},
+        {"uid:1": ["a*b"]},
+    ],
+)
+def test_bad_rules_fail_at_load_naming_the_key(rules: dict[str, list[str]]) -> None:
+    with pytest.raises(ConfigError) as err:
+        NamespacePolicy.from_config(rules, enforce=True)
+    assert err.value.key == "security.namespaces"
+
+
+def test_admin_kinds_need_an_admin_once_admins_are_set() -> None:
+    open_policy = NamespacePolicy.from_config({}, enforce=True)
+    assert open_policy.check_admin(BOB, P.Kind.FLUSH) is None
+    policy = NamespacePolicy.from_config({}, enforce=True, admins=["uid:1000"])
+    assert policy.check_admin(ALICE, P.Kind.FLUSH) is None
+    denial = policy.check_admin(BOB, P.Kind.FLUSH)
+    assert denial is not None and denial.code == P.Code.FORBIDDEN
+    assert policy.check_admin(BOB, P.Kind.PING) is None  # liveness stays open
+
+
+# --------------------------------------------------------------------------
+# Rate limit
+
+
+def test_the_rate_limiter_allows_a_burst_then_refuses() -> None:
+    limiter = RateLimiter(rate=10, burst=3)
+    assert [limiter.allow("s", 100.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_the_bucket_refills_at_the_rate_up_to_the_burst() -> None:
+    limiter = RateLimiter(rate=4, burst=3)
+    for _ in range(3):
+        limiter.allow("s", 100.0)
+    assert limiter.allow("s", 100.125) is False  # half a token
+    assert limiter.allow("s", 100.25) is True  # a whole token after 1/rate s
+    assert [limiter.allow("s", 1000.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_sessions_have_buckets_of_their_own() -> None:
+    limiter = RateLimiter(rate=1, burst=1)
+    assert limiter.allow(1, 0.0) and not limiter.allow(1, 0.0)
+    assert limiter.allow(2, 0.0)
+    limiter.forget(1)
+    assert len(limiter) == 1
+    assert limiter.allow(1, 0.0)
+
+
+def test_a_refusal_is_rate_limited_with_the_wait() -> None:
+    limiter = RateLimiter(rate=4, burst=1)
+    assert limiter.check(None, 0.0) is None
+    denial = limiter.check(None, 0.0)
+    assert denial is not None and denial.code == P.Code.RATE_LIMITED
+    assert "retry in 250 ms" in denial.message
+
+
+def test_a_rate_limiter_needs_a_positive_rate_and_a_burst() -> None:
+    with pytest.raises(ValueError):
+        RateLimiter(rate=0, burst=1)
+    with pytest.raises(ValueError):
+        RateLimiter(rate=1, burst=0.5)
+
+
+# --------------------------------------------------------------------------
+# Size limits
+
+
+def test_too_many_tokens_in_one_request_is_too_large() -> None:
+    limits = RequestLimits(max_tokens=100)
+    assert limits.check_request(P.Allocate(id=1, seq="s", tokens=_tokens(100))) is None
+    denial = limits.check_request(P.Append(id=1, seq="s", tokens=_tokens(101)))
+    assert denial is not None and denial.code == P.Code.TOO_LARGE
+
+
+def test_a_reservation_beyond_the_limit_is_too_large() -> None:
+    limits = RequestLimits(max_tokens=100)
+    denial = limits.check_request(P.Allocate(id=1, seq="s", tokens=_tokens(1), reserve=10**9))
+    assert denial is not None and denial.code == P.Code.TOO_LARGE
+    assert limits.check_request(P.Fork(id=1, seq="s", child="c", reserve=101)) is not None
+    assert limits.check_request(P.Commit(id=1, seq="s", n=10**9)) is None  # no size in a commit
+
+
+def test_zero_limits_leave_the_protocol_limits_alone() -> None:
+    limits = RequestLimits()
+    big = P.Allocate(id=1, seq="s", tokens=_tokens(5000), reserve=2**40)
+    assert limits.check_request(big) is None
+    assert limits.check_sequences(10**6) is None
+
+
+def test_a_session_at_its_sequence_limit_cannot_add_one() -> None:
+    limits = RequestLimits(max_sequences=2)
+    assert limits.check_sequences(1) is None
+    denial = limits.check_sequences(2)
+    assert denial is not None and denial.code == P.Code.TOO_LARGE
+
+
+# --------------------------------------------------------------------------
+# Trusted files
+
+
+def test_a_private_directory_has_no_problems(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir(mode=0o770)
+    d.chmod(0o770)
+    assert dir_problems(d) == []
+
+
+def test_a_directory_others_can_enter_is_a_problem(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    d.chmod(0o755)
+    assert dir_problems(d) == [f"{d} has mode 0755: others may enter it"]
+    assert dir_problems(tmp_path / "missing") == [
+        f"{tmp_path / 'missing'}: No such file or directory"
+    ]
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    d = tmp_path / "certs"
+    d.mkdir()
+    zmq.auth.create_certificates(d, "server")
+    return d
+
+
+def test_the_server_key_file_must_be_private(certs: Path) -> None:
+    secret = certs / "server.key_secret"
+    secret.chmod(0o640)
+    with pytest.raises(StartupError, match="must be 0600"):
+        load_server_keys(secret)
+    secret.chmod(0o600)
+    keys = load_server_keys(secret)
+    assert len(keys.public) == len(keys.secret) == 40
+
+
+def test_a_public_certificate_is_no_server_key(certs: Path) -> None:
+    public = certs / "server.key"
+    public.chmod(0o600)
+    with pytest.raises(StartupError, match="holds no secret-key"):
+        load_server_keys(public)
+    with pytest.raises(StartupError, match="No such file"):
+        load_server_keys(certs / "missing")
+
+
+def test_client_keys_are_the_public_certificates_of_a_directory(tmp_path: Path) -> None:
+    d = tmp_path / "clients"
+    d.mkdir()
+    with pytest.raises(StartupError, match=r"no \*\.key certificate"):
+        load_client_keys(d)
+    public, _ = zmq.auth.create_certificates(d, "worker")
+    assert load_client_keys(d) == {zmq.auth.load_certificate(public)[0]}
+    with pytest.raises(StartupError, match="not a directory"):
+        load_client_keys(public)
+
+
+# --------------------------------------------------------------------------
+# CURVE on loopback with a ZAP handler
+
+
+def _zap_request(mechanism: bytes, creds: list[bytes], domain: bytes = b"kvd") -> list[bytes]:
+    return [b"1.0", b"7", domain, b"127.0.0.1", b"", mechanism, *creds]
+
+
+def test_zap_replies_allow_only_listed_curve_keys() -> None:
+    ctx = zmq.Context()
+    public, _ = zmq.curve_keypair()
+    handler = ZapHandler(ctx, [public])
+    try:
+        raw = zmq.utils.z85.decode(public)
+        ok = handler.reply(_zap_request(b"CURVE", [raw]))
+        assert ok == [b"1.0", b"7", b"200", b"OK", public, b""]
+        other = zmq.utils.z85.decode(zmq.curve_keypair()[0])
+        assert handler.reply(_zap_request(b"CURVE", [other]))[2] == b"400"
+        assert handler.reply(_zap_request(b"CURVE", [raw], domain=b"x"))[2] == b"400"
+        assert handler.reply(_zap_request(b"NULL", []))[2] == b"400"
+        assert handler.reply([b"1.0", b"8"])[:3] == [b"1.0", b"8", b"400"]
+        assert handler.stats() == {"zap_accepted": 1, "zap_refused": 4}
+    finally:
+        handler.close()
+        ctx.term()
+
+
+def test_one_zap_handler_per_context() -> None:
+    ctx = zmq.Context()
+    first = ZapHandler(ctx, [])
+    try:
+        with pytest.raises(StartupError, match="ZAP handler"):
+            ZapHandler(ctx, [])
+    finally:
+        first.close()
+        ctx.term()
+
+
+class CurveServer:
+    """A ROUTER with a plain ipc endpoint and a CURVE tcp endpoint, echoing the User-Id."""
+
+    def __init__(self, workdir: Path, allowed: list[bytes]) -> None:
+        self.ctx = zmq.Context()
+        self.keys = CurveKeys(*zmq.curve_keypair())
+        self.zap = ZapHandler(self.ctx, allowed)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.ipc = f"ipc://{workdir}/s.sock"
+        self.router.bind(self.ipc)
+        bind_curve(self.router, "tcp://127.0.0.1:*", self.keys)
+        self.tcp = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.late_ipc = f"ipc://{workdir}/late.sock"
+        self.router.bind(self.late_ipc)  # after the CURVE endpoint: CURVE too
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=anyio.run, args=(self._serve,), daemon=True)
+        self._thread.start()
+
+    async def _serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.zap.serve)
+            fd = int(self.router.getsockopt(zmq.FD))
+            while not self._stop.is_set():
+                while int(self.router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    ident = self.router.recv(copy=False)
+                    self.router.recv_multipart()
+                    who = principal_of(ident)
+                    self.router.send_multipart([ident.bytes, str(who).encode()])
+                with anyio.move_on_after(0.02):
+                    await anyio.wait_readable(fd)
+            tg.cancel_scope.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.router.close(0)
+        self.zap.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def client_keys() -> tuple[bytes, bytes]:
+    return zmq.curve_keypair()
+
+
+@pytest.fixture
+def curve_server(tmp_path: Path, client_keys: tuple[bytes, bytes]) -> Iterator[CurveServer]:
+    server = CurveServer(tmp_path, [client_keys[0]])
+    yield server
+    server.close()
+
+
+def _ask(address: str, keys: tuple[bytes, bytes] | None = None, server: bytes | None = None):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    try:
+        sock.connect(address)
+        sock.send(b"hi")
+        return sock.recv().decode() if sock.poll(1500) else None
+    finally:
+        sock.close(0)
+
+
+def test_a_listed_client_key_is_served_over_curve_with_its_key_as_user_id(
+    curve_server: CurveServer, client_keys: tuple[bytes, bytes]
+) -> None:
+    answer = _ask(curve_server.tcp, client_keys, curve_server.keys.public)
+    assert answer == f"key:{client_keys[0].decode()}"
+    assert curve_server.zap.accepted == 1
+
+
+def test_an_unlisted_client_key_gets_no_connection(curve_server: CurveServer) -> None:
+    stranger = zmq.curve_keypair()
+    assert _ask(curve_server.tcp, stranger, curve_server.keys.public) is None
+    assert curve_server.zap.refused >= 1
+
+
+def test_a_plain_tcp_client_gets_no_connection(curve_server: CurveServer) -> None:
+    assert _ask(curve_server.tcp) is None
+
+
+def test_the_ipc_endpoint_bound_before_stays_plain(curve_server: CurveServer) -> None:
+    assert _ask(curve_server.ipc) == f"uid:{os.getuid()}, gid:{os.getgid()}"
+    assert curve_server.zap.accepted == curve_server.zap.refused == 0
+
+
+def test_an_endpoint_bound_after_the_curve_one_fails_closed(curve_server: CurveServer) -> None:
+    assert _ask(curve_server.late_ipc) is None
+
+
+# --------------------------------------------------------------------------
+# What a real daemon creates
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_the_daemon_creates_a_0660_socket_in_a_0770_directory_and_0660_pools(
+    start_kvd, kvd_workdir: Path, umask: int
+) -> None:
+    run_dir = kvd_workdir / "run"
+    old = os.umask(umask)
+    try:
+        daemon = start_kvd(address=f"ipc://{run_dir}/kvd.sock")
+    finally:
+        os.umask(old)
+    modes = {
+        "dir": stat.S_IMODE(run_dir.stat().st_mode),
+        "socket": stat.S_IMODE((run_dir / "kvd.sock").lstat().st_mode),
+        "pool": stat.S_IMODE(segment_path("/dev/shm", daemon.instance, "default").stat().st_mode),
+    }
+    assert modes == {"dir": 0o770, "socket": 0o660, "pool": 0o660}
+    assert dir_problems(run_dir) == []
