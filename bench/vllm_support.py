@@ -74,7 +74,8 @@ def make_manager(num_blocks: int, block_size: int) -> KVCacheManager:
 
 def sha256_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     """vLLM's request block hasher with ``sha256_cbor`` (its default for caching)."""
-    return get_request_block_hasher(block_size, sha256_cbor)
+    hasher: Callable[[Request], list[BlockHash]] = get_request_block_hasher(block_size, sha256_cbor)
+    return hasher
 
 
 def lookup_hasher(keys: Sequence[BlockHash], block_size: int) -> Callable[[Request], Any]:
