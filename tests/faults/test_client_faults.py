@@ -1,0 +1,196 @@
+"""Clients killed or stopped at random moments: the daemon stays consistent and frees their work.
+
+Workers (``worker.py``) loop random valid operations and write KV that is a
+function of the token prefix, so a block handed to two writers, or cached
+KV that changed, shows up as an integrity count.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvd_client import Client
+
+from .conftest import ROOT, sessions, total_counts, wait_for
+from .worker import PREFIXES, kv_value
+
+#: Unexpected in a run of valid operations, whatever happens to the processes.
+BUGS = ("err.INTERNAL", "err.INVALID", "err.NOT_FOUND", "err.EXISTS", "err.TOO_LARGE", "integrity")
+
+
+def _blocks(daemon) -> dict[str, int]:
+    return daemon.stats()["blocks"]["default"]
+
+
+def _assert_clean(daemon) -> None:
+    """No session, nothing held or reserved, every block free or cached; CHECK passes."""
+    assert daemon.check() == {"ok": True, "problems": []}
+    b = _blocks(daemon)
+    assert (b["in_use"], b["pinned"], b["reserved"]) == (0, 0, 0), b
+    assert b["free"] + b["evictable"] == b["total"]
+    assert daemon.stats()["pools"]["default"]["sequences"] == 0
+
+
+def test_clients_killed_mid_operation_are_released_within_a_second(
+    kvd_daemon, spawn_worker, worker_stats: Path
+) -> None:
+    rng = random.Random(8)
+    workers = [spawn_worker(kvd_daemon.address) for _ in range(4)]
+    for w in workers:
+        w.read_event("ready")
+    released_after = []
+    for round_ in range(6):
+        victim = workers[rng.randrange(len(workers))]
+        time.sleep(rng.uniform(0.05, 0.4))  # a random moment of its loop
+        victim.kill()
+        released_after.append(
+            wait_for(
+                lambda pid=victim.pid: all(s["peer_pid"] != pid for s in sessions(kvd_daemon)),
+                5.0,
+                f"session of killed pid {victim.pid} closed",
+            )
+        )
+        assert kvd_daemon.check()["ok"] is True
+        if round_ < 5:  # restart a client in the freed slot
+            fresh = workers[workers.index(victim)] = spawn_worker(
+                kvd_daemon.address, slot=victim.slot
+            )
+            fresh.read_event("ready")
+    for w in workers:
+        w.kill()
+    wait_for(lambda: not sessions(kvd_daemon), 5.0, "every session closed")
+
+    assert max(released_after) < 1.0, released_after
+    counts = total_counts(worker_stats)
+    assert counts["ok.commit"] > 100 and counts["ok.fork"] > 0
+    assert not {k: v for k, v in counts.items() if k in BUGS}, counts
+    assert kvd_daemon.stats()["clients"]["closed"]["pid_exited"] == 6 + 3
+    _assert_clean(kvd_daemon)
+    assert _blocks(kvd_daemon)["evictable"] > 0  # the killed clients' committed blocks stay cached
+
+
+def test_kv_committed_by_killed_clients_is_served_intact(kvd_daemon, spawn_worker) -> None:
+    workers = [spawn_worker(kvd_daemon.address) for _ in range(3)]
+    for w in workers:
+        w.read_event("ready")
+    time.sleep(1.0)
+    for w in workers:
+        w.kill()
+    wait_for(lambda: not sessions(kvd_daemon), 5.0, "every session closed")
+
+    with Client.connect(kvd_daemon.address, name="reader") as kv:
+        hits = 0
+        for k, prefix in enumerate(PREFIXES):
+            seq = kv.allocate(f"r{k}", np.asarray([*prefix, 7], dtype=np.int32))
+            n = seq.num_cached_tokens
+            hits += n
+            pos = np.arange(n)
+            table = seq.block_table
+            got = kv.pool.np_layers()[0][0, table[pos // 16], pos % 16, 0, 0]
+            assert np.array_equal(got, kv_value(np.asarray(prefix[:n]), pos)), k
+            seq.free()
+    assert hits > 0
+
+
+def test_a_stopped_ipc_client_keeps_its_session_while_its_process_lives(
+    start_kvd, spawn_worker
+) -> None:
+    daemon = start_kvd(overrides={"server.lease_ms": "200"})
+    worker = spawn_worker(daemon.address)
+    worker.read_event("ready")
+    time.sleep(0.3)
+    worker.kill(signal.SIGSTOP)
+    time.sleep(1.0)  # five leases without a request: the pid watch renews it
+    assert [s["peer_pid"] for s in sessions(daemon)] == [worker.pid]
+    before = worker.counts()
+    worker.kill(signal.SIGCONT)
+    wait_for(
+        lambda: worker.counts().get("ok.commit", 0) > before.get("ok.commit", 0) + 20, 10, "work"
+    )
+    assert "err.SESSION_LOST" not in worker.counts()
+    assert daemon.stats()["clients"]["closed"] == {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+AGENT = ROOT / "tests" / "e2e" / "agent.py"
+
+
+class Agent:
+    """tests/e2e/agent.py driven line by line (a client that is idle between commands)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(AGENT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+
+    def do(self, op: str, **args) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def agents(kvd_env):
+    started: list[Agent] = []
+
+    def spawn() -> Agent:
+        started.append(Agent(kvd_env))
+        return started[-1]
+
+    yield spawn
+    for agent in started:
+        agent.close()
+
+
+def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_blocks(
+    start_kvd, agents
+) -> None:
+    # tcp carries no peer credentials: no pid watch, the lease alone decides.
+    tcp = f"tcp://127.0.0.1:{_free_port()}"
+    daemon = start_kvd(overrides={"server.lease_ms": "300", "server.tcp_address": tcp})
+    stopped, other = agents(), agents()
+    assert stopped.do("connect", address=tcp)["ok"]
+    assert stopped.do("allocate", seq="s", tokens=list(range(40 * 16)))["ok"]
+    assert stopped.do("commit", seq="s", n=8 * 16)["ok"]
+    stopped.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: not sessions(daemon), 5.0, "the silent tcp session expired")
+        assert daemon.stats()["clients"]["closed"] == {"lease_expired": 1}
+        assert other.do("connect", address=daemon.address)["ok"]
+        theirs = other.do("allocate", seq="o", tokens=list(range(5000, 5000 + 50 * 16)))
+        assert theirs["ok"]  # the expired session's 32 private blocks went back to the pool
+    finally:
+        stopped.proc.send_signal(signal.SIGCONT)
+
+    lost = stopped.do("commit", seq="s")
+    assert (lost["error"], lost["code"]) == ("SessionLost", "SESSION_LOST")
+    assert stopped.do("table", seq="s")["ok"]  # the stale handle is local state only...
+    assert stopped.do("free", seq="s")["code"] == "SESSION_LOST"  # ...and stays dead
+    mine = stopped.do("allocate", seq="new", tokens=list(range(7 * 16)))  # re-attached
+    assert mine["ok"] and not set(mine["table"]) & set(theirs["table"])
+    assert mine["cached"] == 7 * 16 - 16  # its committed blocks stayed cached (capped hit)
+    assert daemon.check()["ok"] is True
