@@ -7,24 +7,33 @@ Nothing here asserts on time; the table is the result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import queue
+import shutil
+import signal
 import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 __all__ = [
     "RESULTS_DIR",
+    "DaemonProcess",
     "Figure",
     "machine",
     "median_of",
     "percentile",
     "print_table",
     "rss_bytes",
+    "run_daemon",
     "write_results",
 ]
 
@@ -177,3 +186,87 @@ def write_results(name: str, figures: Sequence[Figure], extra: dict[str, object]
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+@dataclass(slots=True)
+class DaemonProcess:
+    """A ``kvd`` daemon started by `run_daemon`.
+
+    ``ready_seconds``: from spawning the process to its ``ready`` log event (pools
+    allocated, socket bound); ``events``: the JSON log events read until then.
+    """
+
+    address: str
+    proc: subprocess.Popen[str]
+    ready_seconds: float
+    events: list[dict[str, Any]]
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        return self.proc.pid
+
+    def event(self, name: str) -> dict[str, Any]:
+        """The first start-up log event called ``name``."""
+        for ev in self.events:
+            if ev.get("event") == name:
+                return ev
+        raise KeyError(name)
+
+
+@contextlib.contextmanager
+def run_daemon(settings: Mapping[str, object], *, timeout: float = 60.0) -> Iterator[DaemonProcess]:
+    """Run ``kvd`` on a fresh ipc:// socket in a temporary directory until the block ends.
+
+    ``settings`` are ``--set`` overrides (e.g. ``{"pools.0.num_blocks": 8192}``);
+    metrics are off (no port to collide on). The daemon is this interpreter's
+    ``python -m kvd.cli``, logging JSON to a pipe that is read until its ``ready``
+    event and drained after. On leaving, SIGTERM (a graceful drain), then SIGKILL
+    after 15 s. Raises RuntimeError with the daemon's last lines if it dies first.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+    address = f"ipc://{tmp}/kvd.sock"
+    overrides = {"metrics.enabled": "false", **{k: str(v) for k, v in settings.items()}}
+    args = [sys.executable, "-m", "kvd.cli", "--address", address, "--log-format", "json"]
+    args += [f"--set={k}={v}" for k, v in overrides.items()]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    events: list[dict[str, Any]] = []
+    tail: list[str] = []
+    try:
+        deadline = t0 + timeout
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                raise RuntimeError(f"kvd not ready after {timeout} s: {tail[-5:]}") from None
+            if line is None:
+                raise RuntimeError(f"kvd exited with {proc.wait()}: {tail[-5:]}")
+            tail.append(line.rstrip())
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            events.append(ev)
+            if ev.get("event") == "ready":
+                break
+        ready = time.perf_counter() - t0
+        yield DaemonProcess(address, proc, ready, events)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
