@@ -214,21 +214,35 @@ class DaemonProcess:
         raise KeyError(name)
 
 
-@contextlib.contextmanager
-def run_daemon(settings: Mapping[str, object], *, timeout: float = 60.0) -> Iterator[DaemonProcess]:
-    """Run ``kvd`` on a fresh ipc:// socket in a temporary directory until the block ends.
+def _toml(value: object) -> str:
+    """``value`` (bool, int, float or str) as a TOML literal."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
 
-    ``settings`` are ``--set`` overrides (e.g. ``{"pools.0.num_blocks": 8192}``);
-    metrics are off (no port to collide on). The daemon is this interpreter's
-    ``python -m kvd.cli``, logging JSON to a pipe that is read until its ``ready``
-    event and drained after. On leaving, SIGTERM (a graceful drain), then SIGKILL
-    after 15 s. Raises RuntimeError with the daemon's last lines if it dies first.
+
+@contextlib.contextmanager
+def run_daemon(pool: Mapping[str, object], *, timeout: float = 60.0) -> Iterator[DaemonProcess]:
+    """Run ``kvd`` with one pool on a fresh ipc:// socket until the block ends.
+
+    ``pool`` holds the ``[[pools]]`` keys of ``config/kvd.toml`` that differ from the
+    defaults (e.g. ``{"num_blocks": 8192}``), written with metrics off (no port to
+    collide on) to a config file in a temporary directory that also holds the
+    socket. The daemon is this interpreter's ``python -m kvd.cli``, logging JSON to a
+    pipe that is read until its ``ready`` event and drained after. On leaving,
+    SIGTERM (a graceful drain), then SIGKILL after 15 s. Raises RuntimeError with
+    the daemon's last lines if it dies or is not ready within ``timeout`` seconds.
     """
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     address = f"ipc://{tmp}/kvd.sock"
-    overrides = {"metrics.enabled": "false", **{k: str(v) for k, v in settings.items()}}
-    args = [sys.executable, "-m", "kvd.cli", "--address", address, "--log-format", "json"]
-    args += [f"--set={k}={v}" for k, v in overrides.items()]
+    config = tmp / "kvd.toml"
+    lines_toml = ["[metrics]", "enabled = false", "", "[[pools]]", 'name = "default"']
+    lines_toml += [f"{k} = {_toml(v)}" for k, v in pool.items() if k != "name"]
+    config.write_text("\n".join(lines_toml) + "\n")
+    args = [sys.executable, "-m", "kvd.cli", "--config", str(config), "--address", address]
+    args += ["--log-format", "json"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str | None] = queue.Queue()

@@ -47,11 +47,11 @@ TARGET_ONE_VS_VLLM = 1.0
 TARGET_FOUR_VS_ONE = 1.5
 #: The daemon's pool: the bench's block count, a tiny layout (metadata is timed).
 POOL = {
-    "pools.0.num_blocks": workload.NUM_BLOCKS,
-    "pools.0.block_size": workload.BLOCK_SIZE,
-    "pools.0.num_layers": 1,
-    "pools.0.num_kv_heads": 1,
-    "pools.0.head_dim": 8,
+    "num_blocks": workload.NUM_BLOCKS,
+    "block_size": workload.BLOCK_SIZE,
+    "num_layers": 1,
+    "num_kv_heads": 1,
+    "head_dim": 8,
 }
 
 

@@ -41,7 +41,7 @@ TARGET_P99 = 3.0
 TOKENS = np.arange(16, dtype=np.int32)
 #: Request ids as the client's will be mid-run (msgpack uint16: the same body size).
 _ID = 40_000
-POOL = {"pools.0.num_blocks": 1024, "pools.0.num_layers": 1, "pools.0.num_kv_heads": 1}
+POOL = {"num_blocks": 1024, "num_layers": 1, "num_kv_heads": 1}
 
 Exchange = list[tuple[list[bytes], list[bytes]]]
 
