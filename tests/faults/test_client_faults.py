@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvd_client import Client
 
-from .conftest import ROOT, sessions, total_counts, wait_for
+from .conftest import NO_PRESSURE, ROOT, sessions, total_counts, wait_for
 from .worker import PREFIXES, kv_value
 
 #: Unexpected in a run of valid operations, whatever happens to the processes.
@@ -104,7 +104,7 @@ def test_kv_committed_by_killed_clients_is_served_intact(kvd_daemon, spawn_worke
 def test_a_stopped_ipc_client_keeps_its_session_while_its_process_lives(
     start_kvd, spawn_worker
 ) -> None:
-    daemon = start_kvd(overrides={"server.lease_ms": "200"})
+    daemon = start_kvd(overrides={**NO_PRESSURE, "server.lease_ms": "200"})
     worker = spawn_worker(daemon.address)
     worker.read_event("ready")
     time.sleep(0.3)
@@ -171,7 +171,9 @@ def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_bl
 ) -> None:
     # tcp carries no peer credentials: no pid watch, the lease alone decides.
     tcp = f"tcp://127.0.0.1:{_free_port()}"
-    daemon = start_kvd(overrides={"server.lease_ms": "300", "server.tcp_address": tcp})
+    daemon = start_kvd(
+        overrides={**NO_PRESSURE, "server.lease_ms": "300", "server.tcp_address": tcp}
+    )
     stopped, other = agents(), agents()
     assert stopped.do("connect", address=tcp)["ok"]
     assert stopped.do("allocate", seq="s", tokens=list(range(40 * 16)))["ok"]

@@ -128,6 +128,7 @@ class Worker:
                 )
             except DaemonUnavailable:
                 self.count("err.UNAVAILABLE")
+                self.emit("unavailable", op="hello")
                 time.sleep(0.1)
                 continue
             except ShuttingDown:
@@ -291,6 +292,7 @@ class Worker:
             time.sleep(0.05)
         except DaemonUnavailable:
             self.count("err.UNAVAILABLE")
+            self.emit("unavailable", op=op, t=time.time())
             if self.args.exit_on_shutdown:
                 self.kv = None  # the daemon is gone: nothing to say goodbye to
                 return False
