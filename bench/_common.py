@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: timing, percentiles, the figure-beside-anchor table.
+"""Helpers shared by the benchmarks: the figure-beside-anchor table, percentiles, a daemon.
 
 Every benchmark reports `Figure` rows: a measured value, the anchor measured in the
 same run, their ratio (or difference, for percentages) and whether the target is met.
@@ -19,25 +19,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 __all__ = [
     "RESULTS_DIR",
     "DaemonProcess",
     "Figure",
     "machine",
-    "median_of",
     "percentile",
     "print_table",
-    "rss_bytes",
     "run_daemon",
     "write_results",
 ]
 
-T = TypeVar("T")
 
 #: Where ``--json`` results go (git-ignored); the committed plots live here too.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -123,18 +120,6 @@ def print_table(title: str, figures: Sequence[Figure]) -> None:
             print(f"  note ({f.name}): {f.note}")
 
 
-def median_of(repeat: int, run: Callable[[], T], key: Callable[[T], float]) -> T:
-    """Run ``run`` ``repeat`` times and return the result whose ``key`` is the median.
-
-    The median (not the best) because the machine is shared: it is the figure a
-    rerun is most likely to reproduce. With an even count the lower middle is taken.
-    """
-    if repeat < 1:
-        raise ValueError("repeat must be at least 1")
-    results = sorted((run() for _ in range(repeat)), key=key)
-    return results[(len(results) - 1) // 2]
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, interpolated like numpy's default."""
     if not values:
@@ -149,14 +134,6 @@ def _interpolate(ordered: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of process ``pid`` (``VmRSS`` from ``/proc``), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def machine() -> str:
