@@ -17,7 +17,8 @@ token position ``p``, the value ``kv_value(token, p)`` into its blocks
 function of the token prefix, and so is this value, so every position of
 every live sequence, prefix hits included, must read back as
 ``kv_value``; a block handed to two holders that write it would break
-that. Mismatches count as ``integrity``.
+that. Mismatches count as ``integrity``; operations slower than `SLOW_S`
+(time-outs included) as ``slow``.
 
 Counters: with ``--stats FILE --slot N``, counts live in row N of an int64
 array memory-mapped from FILE (no locks: one writer per row), so they
@@ -68,7 +69,10 @@ COUNTERS = (
     *(f"err.{code}" for code in ERROR_CODES),
     "integrity",
     "connects",
+    "slow",
 )
+#: A request slower than this (s) counts as ``slow``.
+SLOW_S = 1.0
 INDEX = {name: i for i, name in enumerate(COUNTERS)}
 #: Shared prompt heads: several workers allocate prompts starting with these.
 PREFIXES = [list(range(1000 + 100 * k, 1000 + 100 * k + 48)) for k in range(4)]
@@ -274,6 +278,7 @@ class Worker:
     def step(self) -> bool:
         """One random operation; False when the worker should stop."""
         op = self.choose()
+        t0 = time.monotonic()
         try:
             self.run_op(op)
         except OutOfBlocks:
@@ -300,6 +305,8 @@ class Worker:
         except KvdError as exc:
             self.count(f"err.{exc.code}" if f"err.{exc.code}" in INDEX else "err.INTERNAL")
             self.emit("error", op=op, code=exc.code, message=exc.message)
+        if time.monotonic() - t0 > SLOW_S:
+            self.count("slow")
         return True
 
     def free_one(self, key: str, seq: Seq) -> None:
