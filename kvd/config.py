@@ -196,11 +196,30 @@ class MemoryConfig:
     headroom_bytes: int = 0
     #: Directory of shm pool files (a tmpfs).
     shm_dir: str = "/dev/shm"  # noqa: S108 (the tmpfs itself, not a temp file)
+    #: Let a client's hello create a pool for its layout (``create``); else FORBIDDEN.
+    runtime_pools: bool = True
+    #: Most pools created at runtime that may exist at once (0: none).
+    max_runtime_pools: int = 4
+    #: Largest pool a client may create, in bytes (0: only the budget and headroom limit it).
+    runtime_pool_max_bytes: int = 8 << 30
+    #: Backend of a runtime pool whose hello names none.
+    runtime_pool_backend: str = "shm"
 
     def __post_init__(self) -> None:
         _require(self.budget_bytes >= 0, "budget_bytes", "must be >= 0 (0 = unlimited)")
         _require(self.headroom_bytes >= 0, "headroom_bytes", "must be >= 0")
         _require(self.shm_dir.startswith("/"), "shm_dir", "must be an absolute path")
+        _require(self.max_runtime_pools >= 0, "max_runtime_pools", "must be >= 0")
+        _require(
+            self.runtime_pool_max_bytes >= 0,
+            "runtime_pool_max_bytes",
+            "must be >= 0 (0 = no cap of its own)",
+        )
+        _require(
+            self.runtime_pool_backend in BACKENDS,
+            "runtime_pool_backend",
+            f"must be one of {list(BACKENDS)}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

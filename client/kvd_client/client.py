@@ -385,7 +385,18 @@ def _identity(
     adapter: str | None,
     layout: PoolLayout | None,
     hash_seed: str | None,
+    create: bool = False,
+    backend: str | None = None,
+    device: int | None = None,
 ) -> Identity:
+    if type(create) is not bool:
+        raise InvalidRequest(f"create must be True or False, got {create!r}")
+    if create and (pool is None or layout is None):
+        raise InvalidRequest("create=True needs a pool name and its layout")
+    if backend is not None and (type(backend) is not str or not backend):
+        raise InvalidRequest(f"backend must be a non-empty string, got {backend!r}")
+    if device is not None and (type(device) is not int or device < 0):
+        raise InvalidRequest(f"device must be a GPU index >= 0, got {device!r}")
     if name is None:
         name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     for what, value in (("pool", pool), ("name", name), ("adapter", adapter)):
@@ -393,7 +404,9 @@ def _identity(
             raise InvalidRequest(f"{what} must be a non-empty string, got {value!r}")
     if type(namespace) is not str or len(namespace) > MAX_NAME_LEN:
         raise InvalidRequest(f"namespace must be a string of at most {MAX_NAME_LEN} characters")
-    return Identity(pool, name[:MAX_NAME_LEN], namespace, adapter, layout, hash_seed)
+    return Identity(
+        pool, name[:MAX_NAME_LEN], namespace, adapter, layout, hash_seed, create, backend, device
+    )
 
 
 class ClientBase(_Bound[C]):
@@ -561,13 +574,21 @@ class Client(ClientBase["Client"]):
         layout: PoolLayout | None = None,
         hash_seed: str | None = None,
         on_notice: Callable[[Notice], None] | None = None,
+        create: bool = False,
+        backend: str | None = None,
+        device: int | None = None,
     ) -> Client:
         """Connect and open a session on ``pool`` (``pool=None``: operator requests only).
 
         ``address`` defaults to `default_address` (``$KVD_ADDRESS``); ``name``
         to the program's name. ``layout``/``hash_seed``, when given, must match
-        the daemon's (else `LayoutMismatch`). Raises `DaemonUnavailable` when
-        nothing answers within ``timeout`` seconds.
+        the daemon's (else `LayoutMismatch`). ``create=True`` (with ``layout``)
+        makes the daemon create the pool for ``layout`` on ``backend``/``device``
+        when it has none of that name (`Forbidden` when the operator disabled
+        runtime pools, `QuotaExceeded`/`OutOfBlocks` when the cap or the memory
+        refuses it); a re-attach after a daemon restart creates it again.
+        ``timeout`` must cover the pool's allocation. Raises `DaemonUnavailable`
+        when nothing answers within ``timeout`` seconds.
         """
         identity = _identity(
             pool,
@@ -576,6 +597,9 @@ class Client(ClientBase["Client"]):
             adapter=adapter,
             layout=layout,
             hash_seed=hash_seed,
+            create=create,
+            backend=backend,
+            device=device,
         )
         transport = BlockingTransport(address or default_address())
         client = cls(Session(identity, on_notice), transport, timeout)
@@ -651,6 +675,9 @@ class AsyncClient(ClientBase["AsyncClient"]):
         layout: PoolLayout | None = None,
         hash_seed: str | None = None,
         on_notice: Callable[[Notice], None] | None = None,
+        create: bool = False,
+        backend: str | None = None,
+        device: int | None = None,
     ) -> _Connecting:
         """Like `Client.connect`; await it, or use it as ``async with``."""
         identity = _identity(
@@ -660,6 +687,9 @@ class AsyncClient(ClientBase["AsyncClient"]):
             adapter=adapter,
             layout=layout,
             hash_seed=hash_seed,
+            create=create,
+            backend=backend,
+            device=device,
         )
 
         async def make() -> AsyncClient:

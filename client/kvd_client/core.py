@@ -132,6 +132,11 @@ class Identity:
     #: The layout the client requires (refused with MISMATCH when it differs).
     layout: PoolLayout | None = None
     hash_seed: str | None = None
+    #: Create the pool for ``layout`` when the daemon has none of that name
+    #: (on ``backend``/``device``, the daemon's default backend when None).
+    create: bool = False
+    backend: str | None = None
+    device: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +315,10 @@ class Session:
             adapter=ident.adapter,
             layout=None if self.layout is None else self.layout.to_dict(),
             hash_seed=self.hash_seed,
+            # Only sent when asked: a plain hello stays byte-identical to older clients'.
+            create=True if ident.create else None,
+            backend=ident.backend if ident.create else None,
+            device=ident.device if ident.create else None,
         )
         res = _result(HelloResult, reply)
         try:

@@ -447,7 +447,16 @@ REQUESTS: dict[int, type[Request]] = {}
 
 @_req(Kind.HELLO)
 class Hello(Request):
-    """Open a session. ``layout`` and ``hash_seed``, when given, must match the pool."""
+    """Open a session. ``layout`` and ``hash_seed``, when given, must match the pool.
+
+    ``create`` (with ``layout``): when no pool ``pool`` exists, the daemon
+    creates it for ``layout`` on ``backend`` (the daemon's default when
+    omitted) and ``device`` (a GPU index for ``cuda``), under the same
+    memory checks as its configured pools and the operator's runtime-pool
+    cap, then opens the session on it. An existing pool with the same
+    layout is simply attached. Omitted fields are not sent, so a hello
+    without them is byte-identical to protocol 1's first form.
+    """
 
     id: int
     version: int
@@ -458,6 +467,9 @@ class Hello(Request):
     adapter: str | None = None
     layout: dict[str, Any] | None = None
     hash_seed: str | None = None
+    create: bool | None = None
+    backend: str | None = None
+    device: int | None = None
 
 
 @_req(Kind.HEARTBEAT)

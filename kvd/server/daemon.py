@@ -28,7 +28,20 @@ SIGTERM/SIGINT start a graceful drain: requests that start new work
 may still append, commit, truncate and free; the drain ends when no
 sequence is held or after ``server.drain_timeout_s``. A second signal
 stops at once. Either way the socket file and the shm segments are
-removed. SIGHUP re-reads the log settings from the config file.
+removed (runtime pools' included).
+
+SIGHUP re-reads the config file and applies what can change on a running
+daemon (log, admission quotas and thresholds, runtime-pool limits: see
+`Dispatcher.reload`), logging one ``reloaded`` line with what it applied,
+what needs a restart and what it refused. A file that does not load
+(``reload_failed``) changes nothing.
+
+Runtime pools: a HELLO with ``create`` for a pool that does not exist is
+checked by the dispatcher and handed here; the daemon reads the backend's
+free memory and decides with the node budget (as at startup, counting the
+pools it holds), creates and prefaults the memory in a worker thread (one
+creation at a time), adds the pool and answers the same HELLO as an
+attach. The socket loop keeps serving meanwhile.
 """
 
 from __future__ import annotations
@@ -51,9 +64,9 @@ from kvd.config import Config, PoolConfig
 from kvd.engine import Engine, EngineConfig
 from kvd.errors import KvdError, StartupError
 from kvd.memory import PoolMemory, backend_capacity, create_pool_memory, remove_stale_segments
-from kvd.memory.budget import MemoryBudget, PoolRequest
+from kvd.memory.budget import MemoryBudget, PoolRequest, decide
 from kvd.server import transport
-from kvd.server.handlers import Dispatcher, PoolRuntime
+from kvd.server.handlers import Dispatcher, PoolCreation, PoolRuntime
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
 from kvd.server.sdnotify import Notifier
@@ -98,6 +111,10 @@ class Daemon:
         self._memories: list[PoolMemory] = []
         self._bound: list[Path] = []
         self._publisher: KVEventPublisher | None = None
+        self._channels: dict[str, EventChannel] = {}
+        #: Runtime pools being created, by name; one creation allocates at a time.
+        self._creating: dict[str, anyio.Event] = {}
+        self._create_lock = anyio.Lock()
         self.dispatcher: Dispatcher | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._drain_requested = anyio.Event()
@@ -199,13 +216,13 @@ class Daemon:
             ) from None
         self._publisher = publisher
         channels = {
-            name: publisher.channel(
-                ev.topic.format(pool=name),
-                MEDIUM_GPU if pool.config.backend == "cuda" else MEDIUM_CPU,
-            )
-            for name, pool in self._pools.items()
+            name: self._channel(publisher, pool.config) for name, pool in self._pools.items()
         }
         return publisher, channels
+
+    def _channel(self, publisher: KVEventPublisher, pool: PoolConfig) -> EventChannel:
+        medium = MEDIUM_GPU if pool.backend == "cuda" else MEDIUM_CPU
+        return publisher.channel(self.config.events.topic.format(pool=pool.name), medium)
 
     def _cleanup(self, linger_ms: int) -> None:
         """Close the socket, unlink its file, release every pool. Idempotent, blocking."""
@@ -241,6 +258,7 @@ class Daemon:
             if cfg.metrics.enabled:
                 metrics = self._start_metrics()
             publisher, channels = self._start_events() if cfg.events.enabled else (None, {})
+            self._channels = channels
             self.dispatcher = Dispatcher(
                 cfg,
                 self._pools,
@@ -355,13 +373,101 @@ class Daemon:
                         peer = parse_peer_address(str(ident.get("Peer-Address")))
                 identity = ident.bytes
                 reply = handle(identity, frames, peer)
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.send_multipart([identity, *reply], noblock)
+                if reply:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send_multipart([identity, *reply], noblock)
+                else:
+                    self._start_creations()
                 handled += 1
                 if handled >= _FAIR_BATCH:
                     await anyio.lowlevel.checkpoint()
                     handled = 0
             await anyio.wait_readable(fd)
+
+    # ------------------------------------------------------------------
+    # Runtime pools
+
+    def _start_creations(self) -> None:
+        assert self.dispatcher is not None and self._tg is not None
+        for job in self.dispatcher.take_creations():
+            self._tg.start_soon(self._create_runtime_pool, job)
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+
+    async def _create_runtime_pool(self, job: PoolCreation) -> None:
+        """Create ``job``'s pool (or wait for another hello creating it), then redo the hello."""
+        dispatcher = self.dispatcher
+        assert dispatcher is not None
+        name = job.config.name
+        other = self._creating.get(name)
+        if other is not None:
+            await other.wait()
+        else:
+            done = self._creating[name] = anyio.Event()
+            try:
+                async with self._create_lock:
+                    refusal = await self._add_runtime_pool(job.config)
+            finally:
+                del self._creating[name]
+                done.set()
+            if refusal is not None:
+                self._send(job.identity, dispatcher.refuse_creation(job, *refusal))
+                return
+        reply = dispatcher.handle(job.identity, job.frames, job.peer)
+        if reply:
+            self._send(job.identity, reply)
+        else:  # the creation it waited for was refused: this hello tries on its own
+            self._start_creations()
+
+    async def _add_runtime_pool(self, pool: PoolConfig) -> tuple[P.Code, str] | None:
+        """Budget, create, serve; the refusal's (code, message) when it does not fit."""
+        assert self.dispatcher is not None
+        mem = self.dispatcher.config.memory
+        held = sum(p.layout.total_bytes for p in self._pools.values())
+        t0 = time.perf_counter()
+
+        def admit_and_create() -> PoolMemory | tuple[P.Code, str]:
+            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
+            decision = decide(
+                pool.name,
+                f"{pool.backend} ({cap.where})",
+                pool.layout.total_bytes,
+                cap.bytes,
+                headroom=mem.headroom_bytes,
+                cap=mem.budget_bytes or None,
+                held=held,
+            )
+            if not decision.ok:
+                code = P.Code.OUT_OF_BLOCKS if decision.limit == "free" else P.Code.QUOTA_EXCEEDED
+                return code, decision.message
+            try:
+                return self._create_pool(pool)
+            except KvdError as exc:  # the backend's own refusal (e.g. a GPU short of memory)
+                return P.Code.OUT_OF_BLOCKS, str(exc)
+
+        # Not cancellable: the memory must be recorded (and freed at exit) once made.
+        made = await anyio.to_thread.run_sync(admit_and_create)
+        if isinstance(made, tuple):
+            return made
+        self._memories.append(made)
+        runtime = PoolRuntime(pool, self._engine(pool), made)
+        self._pools[pool.name] = runtime
+        if self._publisher is not None:
+            self._channels[pool.name] = self._channel(self._publisher, pool)
+        self.dispatcher.add_pool(runtime)
+        log.info(
+            "pool_created",
+            pool=pool.name,
+            backend=pool.backend,
+            blocks=pool.num_blocks,
+            bytes=made.size,
+            startup_ms=round((time.perf_counter() - t0) * 1e3, 1),
+            runtime_pools=len(self.dispatcher.runtime),
+        )
+        return None
 
     async def _maintain(self) -> None:
         dispatcher = self.dispatcher
@@ -406,16 +512,19 @@ class Daemon:
         try:
             fresh = self._reload()
         except KvdError as exc:
-            log.error("reload_failed", error=str(exc))
+            log.error("reload_failed", error=str(exc), note="still serving with the old config")
         else:
+            assert self.dispatcher is not None
             if fresh.log != self.config.log and self._on_log_config is not None:
                 self._on_log_config(fresh)
-            ignored = [
-                k
-                for k in ("server", "pools", "memory", "admission", "cache")
-                if getattr(fresh, k) != getattr(self.config, k)
-            ]
-            log.info("reloaded", applied=["log"], needs_restart=ignored)
+            report = self.dispatcher.reload(fresh)
+            self.config = report.config
+            log.info(
+                "reloaded",
+                applied=report.applied,
+                needs_restart=report.needs_restart,
+                refused=report.refused,
+            )
         notifier.ready(status=self._status_line())
 
     async def _drain_when_asked(self, notifier: Notifier) -> None:

@@ -20,11 +20,21 @@ Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session:
 the socket file's mode is the access control. Every other kind needs a
 session opened by HELLO on the same connection, else SESSION_LOST.
 
-Engine calls are microseconds and run inline on the event loop.
+Engine calls are microseconds and run inline on the event loop. The one
+blocking step a request can need, creating a runtime pool (a HELLO with
+``create``), is checked here and then *deferred*: `handle` returns no
+frames, the request is queued as a `PoolCreation` for the daemon, which
+checks the memory budget and creates the pool in a worker thread, adds
+it with `add_pool` and handles the same HELLO again (now an attach).
+
+`reload` applies what a re-read config may change on a running daemon
+(admission quotas and thresholds, runtime-pool limits) and says what it
+could not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import Counter
@@ -38,15 +48,25 @@ from kvd_client import protocol as P
 from kvd_client.layout import PoolLayout
 
 import kvd
-from kvd.config import Config, PoolConfig
+from kvd.config import BACKENDS, AdmissionConfig, Config, PoolConfig
 from kvd.engine import Engine, Refusal
 from kvd.engine.errors import EngineError, InvariantError
 from kvd.engine.stats import EngineStats
+from kvd.errors import ConfigError
 from kvd.memory import PoolMemory
+from kvd.memory.budget import format_bytes
 from kvd.server.sessions import PeerCred, Session, SessionTable
 from kvd.server.stats import RpcStats
 
-__all__ = ["DRAIN_REFUSED", "Dispatcher", "PoolRuntime", "RequestError"]
+__all__ = [
+    "DRAIN_REFUSED",
+    "RELOADABLE",
+    "Dispatcher",
+    "PoolCreation",
+    "PoolRuntime",
+    "ReloadReport",
+    "RequestError",
+]
 
 log = structlog.get_logger("kvd.server")
 
@@ -56,6 +76,24 @@ DRAIN_REFUSED: Final = frozenset(
     {P.Kind.HELLO, P.Kind.ALLOCATE, P.Kind.FORK, P.Kind.PIN, P.Kind.FLUSH}
 )
 
+
+#: Config keys a SIGHUP applies to the running daemon (`Dispatcher.reload`).
+#: The others need a restart; ``log`` is applied by the daemon's logging hook.
+RELOADABLE: Final = frozenset(
+    {
+        "log.level",
+        "log.format",
+        "admission.session_quota_blocks",
+        "admission.pressure_thresholds",
+        "admission.namespaces",
+        "memory.budget_bytes",
+        "memory.headroom_bytes",
+        "memory.runtime_pools",
+        "memory.max_runtime_pools",
+        "memory.runtime_pool_max_bytes",
+        "memory.runtime_pool_backend",
+    }
+)
 
 #: Kind names for stats, looked up once (Enum.name is a descriptor call).
 _KIND_NAMES: Final = {kind: kind.name for kind in P.Kind}
@@ -89,12 +127,51 @@ class PoolRuntime:
         return self.memory.layout
 
 
+@dataclass(frozen=True, slots=True)
+class PoolCreation:
+    """A HELLO whose pool must be created first: the checked pool and the request to redo."""
+
+    config: PoolConfig
+    req_id: int
+    identity: bytes
+    frames: list[bytes]
+    peer: PeerCred | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    """What `Dispatcher.reload` did: the config now in force and the changed keys by fate."""
+
+    config: Config
+    #: Changed keys now in force (dotted names).
+    applied: list[str]
+    #: Changed keys or whole sections that take effect only after a restart.
+    needs_restart: list[str]
+    #: Changed reloadable keys that were refused, with why (the old value stays).
+    refused: dict[str, str]
+
+
+class _Deferred(Exception):
+    """Raised by the HELLO handler once it queued a `PoolCreation` (no reply yet)."""
+
+
+def _changed(old: Any, new: Any, prefix: str) -> list[str]:
+    """Dotted names of the fields that differ between two config dataclasses."""
+    return [
+        f"{prefix}.{f.name}"
+        for f in dataclasses.fields(old)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+
+
 @dataclass(slots=True)
 class _Ctx:
     identity: bytes
     peer: PeerCred | None
     session: Session | None
     extras: Sequence[bytes]
+    #: The whole message (kept for a request handled again later).
+    message: Sequence[bytes] = ()
 
 
 _Outcome = P.Result | Refusal
@@ -138,6 +215,10 @@ class Dispatcher:
         self.rpc = RpcStats(clock=clock)
         self.closed_sessions: Counter[str] = Counter()
         self._pressure: dict[str, int] = {}
+        #: Pools created at runtime (by a client's hello), and those being created.
+        self.runtime: set[str] = set()
+        self.creating: set[str] = set()
+        self._creations: list[PoolCreation] = []
         #: More stats sections by name (the daemon adds ``events`` when publishing).
         self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._table: dict[int, _Handler] = {
@@ -171,9 +252,14 @@ class Dispatcher:
     def handle(
         self, identity: bytes, frames: Sequence[bytes], peer: PeerCred | None = None
     ) -> list[bytes]:
-        """The reply frames (without routing id) for one message; never raises."""
+        """The reply frames (without routing id) for one message; never raises.
+
+        No frames: the request was deferred (a pool to create, see `take_creations`).
+        """
         t0 = time.perf_counter_ns()
         kind, ops, reply = self._reply(identity, frames, peer)
+        if not reply:
+            return reply
         elapsed = time.perf_counter_ns() - t0
         self.rpc.record(kind, elapsed, ops)
         if self.observe is not None:
@@ -195,7 +281,7 @@ class Dispatcher:
         req_id: int = getattr(req, "id", 0)
         ops = len(req.ops) if isinstance(req, P.Batch) else 1
         try:
-            ctx = _Ctx(identity, peer, None, frames[2:])
+            ctx = _Ctx(identity, peer, None, frames[2:], frames)
             if not req.ADMIN and req.KIND != P.Kind.HELLO:
                 ctx.session = self.sessions.lookup(identity)
                 if ctx.session is None:
@@ -205,6 +291,8 @@ class Dispatcher:
                         "or no hello); old sequences are gone: send hello again",
                     )
             outcome = self._run(req, ctx)
+        except _Deferred:
+            return _KIND_NAMES[req.KIND], ops, []
         except RequestError as exc:
             return _KIND_NAMES[req.KIND], ops, self._error(req_id, exc.code, exc.message)
         if isinstance(outcome, Refusal):
@@ -221,7 +309,7 @@ class Dispatcher:
             raise RequestError(P.Code.SHUTTING_DOWN, "the daemon is shutting down")
         try:
             outcome = self._table[req.KIND](req, ctx)
-        except (RequestError, P.ProtocolError):
+        except (RequestError, P.ProtocolError, _Deferred):
             raise
         except EngineError as exc:
             raise RequestError(P.Code(str(exc.code)), exc.message) from None
@@ -277,6 +365,8 @@ class Dispatcher:
             )
         pool = self.pools.get(req.pool)
         if pool is None:
+            if req.create:
+                self._defer_creation(req, ctx)
             raise RequestError(
                 P.Code.NOT_FOUND, f"no pool {req.pool!r} (have: {', '.join(sorted(self.pools))})"
             )
@@ -352,6 +442,95 @@ class Dispatcher:
             namespace=req.namespace,
             max_message_bytes=P.MAX_MESSAGE_BYTES,
         )
+
+    def _defer_creation(self, req: P.Hello, ctx: _Ctx) -> None:
+        """Check a request to create pool ``req.pool`` and queue it; raises `_Deferred`.
+
+        Refusals here change nothing: FORBIDDEN when runtime pools are off,
+        INVALID for a bad layout or backend, MISMATCH for another hash seed,
+        QUOTA_EXCEEDED above the operator's count or size cap. The memory
+        budget (free bytes, headroom, node cap) is read by the daemon in a
+        thread before it allocates.
+        """
+        mem = self.config.memory
+        if not mem.runtime_pools:
+            raise RequestError(
+                P.Code.FORBIDDEN,
+                f"no pool {req.pool!r} and runtime pools are disabled (memory.runtime_pools)",
+            )
+        if req.layout is None:
+            raise RequestError(P.Code.INVALID, "field 'layout' is required to create a pool")
+        try:
+            layout = PoolLayout.from_dict(req.layout)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(P.Code.INVALID, f"field 'layout': {exc}") from None
+        if req.hash_seed is not None and req.hash_seed != self.config.cache.hash_seed:
+            raise RequestError(
+                P.Code.MISMATCH,
+                f"hash seed {req.hash_seed!r} differs from the daemon's "
+                f"{self.config.cache.hash_seed!r}",
+            )
+        backend = mem.runtime_pool_backend if req.backend is None else req.backend
+        if backend not in BACKENDS:
+            raise RequestError(
+                P.Code.INVALID, f"field 'backend': {backend!r} is not one of {list(BACKENDS)}"
+            )
+        try:
+            config = PoolConfig(
+                name=req.pool,
+                backend=backend,
+                num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+                block_size=layout.block_size,
+                num_blocks=layout.num_blocks,
+                order=layout.order,
+                device=0 if req.device is None else req.device,
+            )
+        except ConfigError as exc:
+            raise RequestError(P.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
+        if req.pool not in self.creating:
+            count = len(self.runtime) + len(self.creating)
+            if count >= mem.max_runtime_pools:
+                raise RequestError(
+                    P.Code.QUOTA_EXCEEDED,
+                    f"no pool {req.pool!r} and {count} runtime pools exist "
+                    f"(memory.max_runtime_pools = {mem.max_runtime_pools})",
+                )
+            cap = mem.runtime_pool_max_bytes
+            if cap and layout.total_bytes > cap:
+                raise RequestError(
+                    P.Code.QUOTA_EXCEEDED,
+                    f"pool {req.pool!r} asked {format_bytes(layout.total_bytes)}, "
+                    f"runtime pools are capped at {format_bytes(cap)} "
+                    f"(memory.runtime_pool_max_bytes)",
+                )
+            self.creating.add(req.pool)
+        # A second creator of a pool being created waits for it, then attaches (or
+        # gets MISMATCH for another layout) when its hello is handled again.
+        self._creations.append(
+            PoolCreation(config, req.id, ctx.identity, list(ctx.message), ctx.peer)
+        )
+        raise _Deferred
+
+    def take_creations(self) -> list[PoolCreation]:
+        """The pool creations queued since the last call (the daemon runs them)."""
+        jobs, self._creations = self._creations, []
+        return jobs
+
+    def add_pool(self, pool: PoolRuntime) -> None:
+        """Serve a pool created at runtime."""
+        self.pools[pool.name] = pool
+        self.runtime.add(pool.name)
+        self.creating.discard(pool.name)
+
+    def refuse_creation(self, job: PoolCreation, code: P.Code, message: str) -> list[bytes]:
+        """The error reply for a creation the budget or the backend refused; nothing changed."""
+        self.creating.discard(job.config.name)
+        log.warning("pool_refused", pool=job.config.name, code=str(code), reason=message)
+        self.rpc.record(_KIND_NAMES[P.Kind.HELLO], 0)
+        return self._error(job.req_id, code, message)
 
     def _heartbeat(self, req: P.Heartbeat, ctx: _Ctx) -> _Outcome:
         return P.Empty()
@@ -484,6 +663,7 @@ class Dispatcher:
         for name, pool in self.pools.items():
             info[name] = {
                 "backend": pool.config.backend,
+                "runtime": name in self.runtime,
                 "layout": pool.layout.to_dict(),
                 "memory": pool.memory.info(),
                 "blocks": self._block_counts(pool.engine.stats()),
@@ -550,6 +730,77 @@ class Dispatcher:
             out.extend((s.identity, frames) for s in self.sessions if s.pool == name)
         return out
 
+    def reload(self, fresh: Config) -> ReloadReport:
+        """Apply what ``fresh`` changes among the `RELOADABLE` keys; report the rest.
+
+        Applied at once: the session quota (to sessions opened from now on:
+        the engine fixes a session's quota when it opens), pressure
+        thresholds (next maintenance tick), per-namespace quotas and
+        minimums (to every pool's engine), runtime-pool limits and the
+        budget they are checked against. Namespace limits are checked
+        against every pool's usage first: a quota below a namespace's
+        usage refuses ``admission.namespaces`` as a whole and keeps the
+        old limits. ``log`` is reported as applied (the daemon's hook
+        applies it). Everything else, ``admission.watermark_blocks`` and
+        ``memory.shm_dir`` included, needs a restart.
+        """
+        running = self.config
+        applied: list[str] = []
+        restart: list[str] = []
+        refused: dict[str, str] = {}
+        for section in ("server", "cache", "pools", "metrics", "events"):
+            if getattr(fresh, section) != getattr(running, section):
+                restart.append(section)
+        changed = [
+            key
+            for section in ("log", "admission", "memory")
+            for key in _changed(getattr(running, section), getattr(fresh, section), section)
+        ]
+        restart += [key for key in changed if key not in RELOADABLE]
+        wanted = [key for key in changed if key in RELOADABLE]
+        if "admission.namespaces" in wanted:
+            problem = self._namespace_problem(fresh.admission)
+            if problem is not None:
+                refused["admission.namespaces"] = problem
+            else:
+                self._apply_namespaces(running.admission, fresh.admission)
+        admission = dataclasses.replace(
+            fresh.admission,
+            watermark_blocks=running.admission.watermark_blocks,
+            namespaces=running.admission.namespaces
+            if "admission.namespaces" in refused
+            else fresh.admission.namespaces,
+        )
+        memory = dataclasses.replace(fresh.memory, shm_dir=running.memory.shm_dir)
+        applied = [key for key in wanted if key not in refused]
+        self.config = dataclasses.replace(
+            running, log=fresh.log, admission=admission, memory=memory
+        )
+        return ReloadReport(self.config, applied, restart, refused)
+
+    def _namespace_problem(self, admission: AdmissionConfig) -> str | None:
+        """Why the namespace quotas of ``admission`` cannot apply now (None: they can)."""
+        for name, pool in self.pools.items():
+            usage = pool.engine.stats().namespaces
+            for ns, limits in admission.namespaces.items():
+                used = usage[ns].usage if ns in usage else 0
+                if limits.quota_blocks and limits.quota_blocks < used:
+                    return (
+                        f"quota {limits.quota_blocks} of namespace {ns!r} is below its usage "
+                        f"of {used} blocks in pool {name!r}"
+                    )
+        return None
+
+    def _apply_namespaces(self, old: AdmissionConfig, new: AdmissionConfig) -> None:
+        """Set every pool's namespace limits to ``new``'s; namespaces it dropped lose theirs."""
+        for pool in self.pools.values():
+            for ns in old.namespaces.keys() - new.namespaces.keys():
+                pool.engine.set_namespace_limits(ns, quota=None, minimum=0)
+            for ns, limits in new.namespaces.items():
+                pool.engine.set_namespace_limits(
+                    ns, quota=limits.quota_blocks or None, minimum=limits.minimum_blocks
+                )
+
     def in_flight(self) -> int:
         """Sequences held by all sessions (what a graceful drain waits for)."""
         return sum(pool.engine.stats().sequences for pool in self.pools.values())
@@ -576,6 +827,7 @@ class Dispatcher:
             "pools": {
                 name: {
                     "backend": pool.config.backend,
+                    "runtime": name in self.runtime,
                     "num_blocks": pool.layout.num_blocks,
                     "block_size": pool.layout.block_size,
                     "bytes": pool.memory.size,
