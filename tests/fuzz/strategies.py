@@ -241,5 +241,32 @@ huge = st.one_of(
     ),
 )
 
-#: Every family of hostile message.
-messages = st.one_of(random_frames, type_confusion(), wild_requests(), mutated(), huge)
+
+@st.composite
+def valid_ops(draw: st.DrawFn) -> list[bytes]:
+    """Plausible requests on the attacker's own sequences, so that the state moves between
+    the hostile messages (most of these succeed)."""
+    seq = draw(st.sampled_from(["mine", "a", "b"]))
+    tokens = np.arange(draw(st.integers(0, 2 * BS + 3)), dtype=np.int32) + draw(st.integers(0, 3))
+    req = draw(
+        st.sampled_from(
+            [
+                P.Allocate(id=1, seq=seq, tokens=tokens, reserve=draw(st.sampled_from([None, 48]))),
+                P.Append(id=2, seq=seq, tokens=tokens[: draw(st.integers(0, 5))]),
+                P.Commit(id=3, seq=seq),
+                P.Fork(id=4, seq=seq, child=draw(st.sampled_from(["a", "b", "c"]))),
+                P.Truncate(id=5, seq=seq, n=draw(st.integers(0, BS + 2))),
+                P.Free(id=6, seq=seq),
+                P.Pin(id=7, seq=seq),
+                P.Unpin(id=8, pin=draw(st.integers(1, 4))),
+                P.CanAllocate(id=9, tokens=draw(st.integers(0, 300))),
+            ]
+        )
+    )
+    return req.encode()
+
+
+#: Every family of hostile message, with plausible ones that move the state in between.
+messages = st.one_of(
+    valid_ops(), valid_ops(), random_frames, type_confusion(), wild_requests(), mutated(), huge
+)

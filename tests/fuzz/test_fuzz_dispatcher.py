@@ -19,7 +19,7 @@ from .harness import ATTACKER, NOBODY, Target
 from .strategies import messages
 
 #: Examples (each a list of messages on a fresh target) in the CI round.
-CI_EXAMPLES = 250
+CI_EXAMPLES = 400
 
 
 def _run(examples: int, derandomize: bool) -> tuple[int, int]:
@@ -34,7 +34,8 @@ def _run(examples: int, derandomize: bool) -> tuple[int, int]:
         print_blob=True,
     )
     @given(
-        batch=st.lists(messages, min_size=1, max_size=12), who=st.sampled_from([ATTACKER, NOBODY])
+        batch=st.lists(messages, min_size=4, max_size=16),
+        who=st.sampled_from([ATTACKER, ATTACKER, ATTACKER, NOBODY]),
     )
     def fuzz(batch: list[list[bytes]], who: bytes) -> None:
         target = Target()
@@ -62,4 +63,4 @@ def test_hostile_messages_are_answered_and_rejected_ones_change_nothing() -> Non
             messages_sent, rejected = messages_sent + m, rejected + r
         print(f"\nfuzzed {messages_sent} messages through the dispatcher, {rejected} rejected")
     assert messages_sent > 1000
-    assert rejected > messages_sent // 2
+    assert messages_sent // 4 < rejected < messages_sent  # both paths well exercised

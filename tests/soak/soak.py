@@ -23,7 +23,8 @@ At the end every worker is killed, and the run passes when:
   answering while alive);
 - the anonymous RSS of each daemon grew by at most ``--rss-bound-mib``
   between its warm-up sample and its last sample (see docs/reliability.md
-  for why 16 MiB).
+  for why 16 MiB), and its open file descriptors by at most one per worker
+  (a live session holds a pidfd; a leaked pidfd or socket shows here).
 
 Prints a summary (operations, kills, restarts, errors by code, leaked blocks,
 RSS) and exits 0 on a pass, 1 otherwise. ``--no-pressure`` turns the
@@ -97,6 +98,14 @@ def rss_anon_kib(pid: int) -> int | None:
     return None
 
 
+def open_fds(pid: int) -> int | None:
+    """How many file descriptors the process holds (sockets, pidfds, the pool file)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
 class Daemon:
     """One kvd subprocess."""
 
@@ -115,6 +124,7 @@ class Daemon:
                 env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
             )
         self.rss: list[tuple[float, int]] = []
+        self.fds: list[tuple[float, int]] = []
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -134,13 +144,18 @@ class Daemon:
         return reply.result
 
     def sample_rss(self) -> None:
-        kib = rss_anon_kib(self.proc.pid)
+        """Sample the anonymous RSS and the open file descriptors."""
+        at = time.monotonic() - self.started
+        kib, fds = rss_anon_kib(self.proc.pid), open_fds(self.proc.pid)
         if kib is not None:
-            self.rss.append((time.monotonic() - self.started, kib))
+            self.rss.append((at, kib))
+        if fds is not None:
+            self.fds.append((at, fds))
 
-    def rss_growth_kib(self, warmup_s: float) -> tuple[int, int, int] | None:
-        """(warm-up sample, last sample, growth) in KiB; None when it never warmed up."""
-        warm = [kib for t, kib in self.rss if t >= warmup_s]
+    @staticmethod
+    def growth(samples: list[tuple[float, int]], warmup_s: float) -> tuple[int, int, int] | None:
+        """(warm-up sample, last sample, growth); None when it never warmed up."""
+        warm = [v for t, v in samples if t >= warmup_s]
         if len(warm) < 2:
             return None
         return warm[0], warm[-1], warm[-1] - warm[0]
@@ -285,8 +300,10 @@ class Soak:
         errors = {k[4:]: v for k, v in counts.items() if k.startswith("err.")}
         ops = {k[3:]: v for k, v in counts.items() if k.startswith("ok.")}
         warmup = min(5.0, self.args.duration / 10)
-        rss = [d.rss_growth_kib(warmup) for d in self.daemons]
+        rss = [d.growth(d.rss, warmup) for d in self.daemons]
+        fds = [d.growth(d.fds, warmup) for d in self.daemons]
         growth = [g[2] for g in rss if g is not None]
+        fd_growth = [g[2] for g in fds if g is not None]
         summary = {
             "duration_s": round(elapsed, 1),
             "workers": self.slots,
@@ -318,6 +335,10 @@ class Soak:
                 None if g is None else {"warm": g[0], "last": g[1], "growth": g[2]} for g in rss
             ],
             "rss_bound_kib": self.args.rss_bound_mib * 1024,
+            "open_fds": [
+                None if g is None else {"warm": g[0], "last": g[1], "growth": g[2]} for g in fds
+            ],
+            "fd_bound": self.slots,
             "pressure_notices": not self.args.no_pressure,
         }
         summary["passed"] = (
@@ -330,6 +351,7 @@ class Soak:
             and summary["final_sessions"] == summary["final_sequences"] == 0
             and all(code == 0 for code in self.daemon_exits)
             and all(g <= summary["rss_bound_kib"] for g in growth)
+            and all(g <= summary["fd_bound"] for g in fd_growth)
         )
         return summary
 
@@ -372,6 +394,7 @@ def render(s: dict[str, Any]) -> str:
         f"sequences {s['final_sequences']}",
         f"leaked blocks:          {s['leaked_blocks']}",
         f"daemon RssAnon (KiB):   {s['rss_anon_kib']} (bound on growth {s['rss_bound_kib']})",
+        f"daemon open fds:        {s['open_fds']} (bound on growth {s['fd_bound']})",
         f"result:                 {'PASS' if s['passed'] else 'FAIL'}",
     ]
     return "\n".join(lines)
