@@ -28,6 +28,7 @@ Simulators (all exact at block granularity; a few seconds per million blocks):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import time
@@ -445,16 +446,17 @@ def simulate_s3fifo(
 
 
 def simulate_freq_classes(
-    trace: Trace, capacity: int, *, classes: int = 8, power: float = 2.0
+    trace: Trace, capacity: int, *, classes: int = 8, power: float = 2.0, ghost: bool = True
 ) -> Outcome:
     """LRU queues per use count: evict the queue head oldest in units of ``uses**power``.
 
     A block used ``f`` times (``min(f, classes)``) lives in queue ``f``, each queue in
     release order (tail first, as kvd's). To evict, every queue's head is compared by
     its age (requests since its last use) divided by ``f**power``: a block used twice
-    stays 4x as long as a block used once, at equal recency. Use counts persist past
-    eviction (a ghost), so a returning prefix keeps its class. In the engine this is
-    ``classes`` intrusive queues instead of one: O(classes) per eviction.
+    stays 4x as long as a block used once, at equal recency. With ``ghost``, use
+    counts persist past eviction, so a returning prefix keeps its class; without,
+    an evicted block starts again at one use. In the engine this is ``classes``
+    intrusive queues instead of one: O(classes) per eviction.
     """
     out = Outcome(total_tokens=trace.total_tokens)
     t0 = time.perf_counter()
@@ -488,6 +490,8 @@ def simulate_freq_classes(
                         best, oldest = c, age
             key, _ = queues[best].popitem(last=False)
             del where[key]
+            if not ghost:
+                del uses[key]
         for key in reversed(keys):
             f = uses.get(key, 0) + 1
             uses[key] = f
@@ -503,6 +507,7 @@ def simulate_freq_classes(
 #: Prototype policies by name (``replay.py --policy NAME``).
 POLICIES: dict[str, Callable[[Trace, int], Outcome]] = {
     "freq-classes": simulate_freq_classes,
+    "freq-classes-no-ghost": functools.partial(simulate_freq_classes, ghost=False),
     "s3fifo": simulate_s3fifo,
     "lru-oracle-admission": simulate_lru_oracle_admission,
 }
