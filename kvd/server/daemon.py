@@ -50,7 +50,7 @@ import contextlib
 import secrets
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -272,27 +272,18 @@ class Daemon:
             )
             if publisher is not None:
                 self.dispatcher.sections["events"] = publisher.stats
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._serve)
-                if publisher is not None:
-                    tg.start_soon(publisher.run)
-                tg.start_soon(self._maintain)
-                if self._handle_signals:
-                    tg.start_soon(self._signals, notifier)
-                interval = notifier.watchdog_interval()
-                if interval is not None:
-                    tg.start_soon(self._watchdog, notifier, interval)
-                tg.start_soon(self._drain_when_asked, notifier)
-                notifier.ready(status=self._status_line())
-                log.info(
-                    "ready",
-                    address=self.addresses[0],
-                    addresses=self.addresses,
-                    epoch=self.epoch,
-                    pools=len(self._pools),
+            # The handlers go in before the socket is served: a signal sent as soon
+            # as the daemon answers (or says READY=1) must never meet the default
+            # action (SIGHUP's is to terminate).
+            with contextlib.ExitStack() as stack:
+                signals = (
+                    stack.enter_context(
+                        anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                    )
+                    if self._handle_signals
+                    else None
                 )
-                task_status.started(self)
+                await self._serve_all(notifier, publisher, signals, task_status)
             linger_ms = 200 if self.dispatcher.draining else 0
             if publisher is not None:
                 publisher.close()
@@ -305,6 +296,36 @@ class Daemon:
                 await anyio.to_thread.run_sync(self._cleanup, linger_ms)
             notifier.close()
             log.info("stopped", epoch=self.epoch)
+
+    async def _serve_all(
+        self,
+        notifier: Notifier,
+        publisher: KVEventPublisher | None,
+        signals: AsyncIterator[signal.Signals] | None,
+        task_status: anyio.abc.TaskStatus[Daemon],
+    ) -> None:
+        """The root task group: serve until a drain ends or `stop_now`."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._serve)
+            if publisher is not None:
+                tg.start_soon(publisher.run)
+            tg.start_soon(self._maintain)
+            if signals is not None:
+                tg.start_soon(self._signals, notifier, signals)
+            interval = notifier.watchdog_interval()
+            if interval is not None:
+                tg.start_soon(self._watchdog, notifier, interval)
+            tg.start_soon(self._drain_when_asked, notifier)
+            notifier.ready(status=self._status_line())
+            log.info(
+                "ready",
+                address=self.addresses[0],
+                addresses=self.addresses,
+                epoch=self.epoch,
+                pools=len(self._pools),
+            )
+            task_status.started(self)
 
     def _start_metrics(self) -> MetricsServer:
         try:
@@ -492,17 +513,16 @@ class Daemon:
             notifier.status(self._status_line())
             await anyio.sleep(interval)
 
-    async def _signals(self, notifier: Notifier) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    self._reload_config(notifier)
-                elif not self._drain_requested.is_set():
-                    log.info("signal", signal=signal.Signals(signum).name, action="drain")
-                    self._drain_requested.set()
-                else:
-                    log.warning("signal", signal=signal.Signals(signum).name, action="exit_now")
-                    self.stop_now()
+    async def _signals(self, notifier: Notifier, signals: AsyncIterator[signal.Signals]) -> None:
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                self._reload_config(notifier)
+            elif not self._drain_requested.is_set():
+                log.info("signal", signal=signal.Signals(signum).name, action="drain")
+                self._drain_requested.set()
+            else:
+                log.warning("signal", signal=signal.Signals(signum).name, action="exit_now")
+                self.stop_now()
 
     def _reload_config(self, notifier: Notifier) -> None:
         if self._reload is None:
