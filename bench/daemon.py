@@ -168,7 +168,7 @@ def _vllm_in_process() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=workload.REQUESTS)
-    parser.add_argument("--repeat", type=int, default=3, help="median of N runs of each")
+    parser.add_argument("--repeat", type=int, default=5, help="median of N runs of each")
     parser.add_argument("--json", action="store_true", help="also write bench/results/")
     args = parser.parse_args()
     # Wall clock for the in-process replays too: the daemon's figures can only be.

@@ -154,9 +154,10 @@ def plot(
         "vLLM 0.33.0": {"color": "C1", "marker": "+", "linestyle": "none", "markersize": 12},
         "optimum": {"color": "C2", "marker": "s", "linewidth": 2},
     }
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for i, (name, outcomes) in enumerate(results.items()):
-        kw = style.get(name, {"color": f"C{3 + i}", "marker": ".", "linestyle": ":"})
+    prototype = iter(["C3", "C4", "C5", "C6", "C7", "C8", "C9"])
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    for name, outcomes in results.items():
+        kw = style.get(name) or {"color": next(prototype), "marker": ".", "linestyle": ":"}
         ax.plot(capacities, [100 * o.hit_ratio for o in outcomes], label=name, **kw)
     ax.axhline(100 * infinite, color="grey", linestyle="--", linewidth=1, label="infinite cache")
     ax.set_xscale("log")
@@ -166,7 +167,7 @@ def plot(
     ax.set_ylabel("token hit ratio, %")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
