@@ -10,7 +10,9 @@ from a private source tensor, the way an inference process does:
   torch view of the layer (K and V, 64 KiB), 32 writes per block; and, for context,
   a prefill's form: per layer one indexed write of all 16 blocks,
   ``layer[:, table] = kv[l]``;
-- ``block_major``: the block is one contiguous span: ``pool.block(b).copy_(kv)``.
+- ``block_major``: the block is one contiguous span: ``pool.block(b).copy_(kv)``; and,
+  for context, the same write through the numpy view (``np.copyto(pool.np_block(b),
+  kv)``), which separates the pool's memory from torch's copy kernel.
 
 The anchor, in the same process and run: ``np.copyto`` of the same 2 MiB between two
 private numpy arrays. Both sides rotate over 16 destinations (32 MiB, more than the
@@ -70,6 +72,8 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
         src_np = src.numpy().reshape(-1)
         dst_np = [np.empty_like(src_np) for _ in range(ROTATE)]
         views = [pool.block(b) for b in blocks]
+        np_views = [pool.np_block(b) for b in blocks]
+        src_block = src.numpy()
         total = passes * len(blocks) * per_block
 
         def one_block_per_layer() -> int:
@@ -91,6 +95,12 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
                     view.copy_(src)
             return total
 
+        def one_block_numpy() -> int:
+            for _ in range(passes):
+                for view in np_views:
+                    np.copyto(view, src_block)
+            return total
+
         def memcpy() -> int:
             for _ in range(passes):
                 for dst in dst_np:
@@ -104,7 +114,10 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
                 f"{len(blocks)} blocks per layer write": all_blocks_per_layer,
             }
         else:
-            cases = {"one block, one write": one_block}
+            cases = {
+                "one block, one write": one_block,
+                "one block, numpy view (context)": one_block_numpy,
+            }
         rates: dict[str, list[float]] = {name: [] for name in (*cases, "memcpy")}
         for name, write in cases.items():
             write()  # map the pool's pages into this process
