@@ -211,7 +211,7 @@ def main() -> None:
                     "vLLM in-process e2e",
                     med["vllm"],
                     TARGET_ONE_VS_VLLM,
-                    note="" if in_process else "vLLM measured in a .bench-venv child, best of 1",
+                    note="" if in_process else "vLLM from a .bench-venv child: best of 1, CPU time",
                 )
             )
         figures.append(
