@@ -209,8 +209,9 @@ def run_daemon(pool: Mapping[str, object], *, timeout: float = 60.0) -> Iterator
     collide on) to a config file in a temporary directory that also holds the
     socket. The daemon is this interpreter's ``python -m kvd.cli``, logging JSON to a
     pipe that is read until its ``ready`` event and drained after. On leaving,
-    SIGTERM (a graceful drain), then SIGKILL after 15 s. Raises RuntimeError with
-    the daemon's last lines if it dies or is not ready within ``timeout`` seconds.
+    SIGTERM (a graceful drain), then SIGKILL after 15 s, then any pool file the
+    daemon reported is removed if it is still there. Raises RuntimeError with the
+    daemon's last lines if it dies or is not ready within ``timeout`` seconds.
     """
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     address = f"ipc://{tmp}/kvd.sock"
@@ -260,4 +261,8 @@ def run_daemon(pool: Mapping[str, object], *, timeout: float = 60.0) -> Iterator
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # A daemon that was killed leaves its pool files: remove the ones it reported.
+        for ev in events:
+            if ev.get("event") == "pool_ready" and isinstance(ev.get("path"), str):
+                Path(ev["path"]).unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -69,5 +69,6 @@ def test_run_daemon_serves_until_the_block_ends() -> None:
         assert daemon.event("pool_ready")["blocks"] == 32
     assert daemon.proc.returncode == 0
     assert not socket.parent.exists()
+    assert not Path(daemon.event("pool_ready")["path"]).exists()
     with pytest.raises(ProcessLookupError):
         os.kill(daemon.pid, 0)
