@@ -371,10 +371,20 @@ def _parse_override(value: _Override, key: str) -> Any:
         raise ConfigError(key, f"cannot parse {str(value)!r} as a TOML value") from None
 
 
+def _string_override(value: _Override) -> str:
+    """Text for a string key: bare (``block_major``) or TOML-quoted (``"block_major"``)."""
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return str(value)
+    return parsed if type(parsed) is str else str(value)
+
+
 def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
-    if isinstance(value, _Override) and tp is not str:
-        value = _parse_override(value, key)
+    if isinstance(value, _Override):
+        stringly = tp is str or origin is Literal
+        value = _string_override(value) if stringly else _parse_override(value, key)
     if tp is bool:
         _require(type(value) is bool, key, f"expected true or false, got {value!r}")
         return value

@@ -190,3 +190,14 @@ def test_pool_lookup_by_name() -> None:
     assert config.pool("default") is config.pools[0]
     with pytest.raises(KeyError):
         config.pool("absent")
+
+
+@pytest.mark.parametrize("text", ["block_major", '"block_major"'])
+def test_string_overrides_take_bare_or_quoted_text(text: str) -> None:
+    cfg = load_config(env={}, overrides={"pools.0.order": text})
+    assert cfg.pools[0].order == "block_major"
+
+
+def test_quoted_string_override_loses_its_quotes() -> None:
+    cfg = load_config(env={}, overrides={"pools.0.dtype": '"float32"'})
+    assert cfg.pools[0].dtype == "float32"
