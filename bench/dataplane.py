@@ -6,8 +6,10 @@ block: 2 MiB per block over all layers). This process connects with the blocking
 ``kvd_client.Client``, allocates a sequence and writes the KV of one of its blocks
 from a private source tensor, the way an inference process does:
 
-- ``layer_major`` (the default order): per layer, ``layer[:, b].copy_(kv[l])`` on the
-  torch view of the layer (K and V, 64 KiB), 32 writes per block; and, for context,
+- ``layer_major`` (the default order): ``pool.block(b).copy_(kv)``, one strided write
+  through the block's zero-copy view (64 runs of 32 KiB); per layer,
+  ``layer[:, b].copy_(kv[l])`` on the torch view of the layer (K and V, 64 KiB), 32
+  writes per block, what a per-layer kernel does; and, for context,
   a prefill's form: per layer one indexed write of all 16 blocks,
   ``layer[:, table] = kv[l]``;
 - ``block_major``: the block is one contiguous span: ``pool.block(b).copy_(kv)``; and,
@@ -110,6 +112,7 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
         cases: dict[str, Callable[[], int]]
         if order == "layer_major":
             cases = {
+                "one block, one write through pool.block(b)": one_block,
                 f"one block, {len(layers)} layer writes": one_block_per_layer,
                 f"{len(blocks)} blocks per layer write": all_blocks_per_layer,
             }
