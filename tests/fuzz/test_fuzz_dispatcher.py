@@ -4,7 +4,8 @@ Every message must get an error reply with a known code other than INTERNAL
 (or a valid reply), leave the engine's invariants intact, change nothing when
 rejected, and never touch the victim session's sequences or pins (see
 ``harness.py``). ``KVD_FUZZ_SECONDS`` runs rounds of fresh random examples
-for that long instead of the fixed, derandomized CI round.
+for that long instead of the fixed, derandomized CI round (lift pytest-timeout's
+limit: ``KVD_FUZZ_SECONDS=600 pytest -s --timeout=0 tests/fuzz/test_fuzz_dispatcher.py``).
 """
 
 from __future__ import annotations
