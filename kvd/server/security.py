@@ -58,13 +58,14 @@ __all__ = [
     "ZAP_ENDPOINT",
     "CurveKeys",
     "Denial",
+    "DirCheck",
     "NamespacePolicy",
     "Principal",
     "RateLimiter",
     "RequestLimits",
     "ZapHandler",
     "bind_curve",
-    "dir_problems",
+    "check_dir",
     "load_client_keys",
     "load_server_keys",
     "principal_of",
@@ -326,26 +327,41 @@ class RequestLimits:
 # Files the daemon trusts
 
 
-def dir_problems(path: str | os.PathLike[str]) -> list[str]:
-    """Why ``path`` is not a safe home for the socket (empty: it is).
+@dataclass(frozen=True, slots=True)
+class DirCheck:
+    """What makes a directory unsafe for the socket: ``fatal`` (refuse to start), ``warnings``."""
 
-    Safe: a directory owned by the daemon's user (or root), which others
-    can neither enter nor write. Anyone else owning or writing it could
-    replace the socket file with their own daemon.
+    fatal: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Nothing to report."""
+        return not self.fatal and not self.warnings
+
+
+def check_dir(path: str | os.PathLike[str]) -> DirCheck:
+    """Is ``path`` a safe home for the socket?
+
+    Fatal: it is not a directory, or another user (not root, not the
+    daemon's) owns it and could replace the socket file with their own
+    daemon's. A warning: others may enter it (only the socket's own mode
+    then keeps them out).
     """
     p = Path(path)
     try:
         st = p.lstat()
     except OSError as exc:
-        return [f"{p}: {exc.strerror}"]
-    problems = []
+        return DirCheck(fatal=(f"{p}: {exc.strerror}",))
+    fatal = []
     if not stat.S_ISDIR(st.st_mode):
-        problems.append(f"{p} is not a directory")
+        fatal.append(f"{p} is not a directory")
     if st.st_uid not in (os.geteuid(), 0):
-        problems.append(f"{p} is owned by uid {st.st_uid}, not by the daemon's user")
+        fatal.append(f"{p} is owned by uid {st.st_uid}, not by the daemon's user")
+    warnings = []
     if st.st_mode & 0o007:
-        problems.append(f"{p} has mode {stat.S_IMODE(st.st_mode):04o}: others may enter it")
-    return problems
+        warnings.append(f"{p} has mode {stat.S_IMODE(st.st_mode):04o}: others may enter it")
+    return DirCheck(tuple(fatal), tuple(warnings))
 
 
 def _private_file(path: Path, what: str) -> None:

@@ -22,13 +22,14 @@ from kvd.errors import ConfigError, StartupError
 from kvd.memory.shm import segment_path
 from kvd.server.security import (
     CurveKeys,
+    DirCheck,
     NamespacePolicy,
     Principal,
     RateLimiter,
     RequestLimits,
     ZapHandler,
     bind_curve,
-    dir_problems,
+    check_dir,
     load_client_keys,
     load_server_keys,
     principal_of,
@@ -225,17 +226,31 @@ def test_a_private_directory_has_no_problems(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir(mode=0o770)
     d.chmod(0o770)
-    assert dir_problems(d) == []
+    assert check_dir(d).ok
 
 
-def test_a_directory_others_can_enter_is_a_problem(tmp_path: Path) -> None:
+def test_a_directory_others_can_enter_is_a_warning(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir()
     d.chmod(0o755)
-    assert dir_problems(d) == [f"{d} has mode 0755: others may enter it"]
-    assert dir_problems(tmp_path / "missing") == [
-        f"{tmp_path / 'missing'}: No such file or directory"
-    ]
+    assert check_dir(d) == DirCheck((), (f"{d} has mode 0755: others may enter it",))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
+def test_a_directory_owned_by_another_user_is_fatal(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir(mode=0o770)
+    os.chown(d, 65534, -1)
+    assert check_dir(d).fatal == (f"{d} is owned by uid 65534, not by the daemon's user",)
+
+
+def test_a_missing_path_or_a_file_is_fatal(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    assert check_dir(missing).fatal == (f"{missing}: No such file or directory",)
+    f = tmp_path / "file"
+    f.write_text("")
+    f.chmod(0o600)
+    assert check_dir(f).fatal == (f"{f} is not a directory",)
 
 
 @pytest.fixture
@@ -430,4 +445,4 @@ def test_the_daemon_creates_a_0660_socket_in_a_0770_directory_and_0660_pools(
         "pool": stat.S_IMODE(segment_path("/dev/shm", daemon.instance, "default").stat().st_mode),
     }
     assert modes == {"dir": 0o770, "socket": 0o660, "pool": 0o660}
-    assert dir_problems(run_dir) == []
+    assert check_dir(run_dir).ok
