@@ -610,23 +610,22 @@ class Dispatcher:
     def _batch(self, req: P.Batch, ctx: _Ctx) -> _Outcome:
         if len(req.ops) > P.MAX_BATCH_OPS:
             raise RequestError(P.Code.TOO_LARGE, f"more than {P.MAX_BATCH_OPS} operations")
-        results: list[dict[str, Any]] = []
-        for op in req.ops:
-            results.append(self._batch_op(op, ctx).to_map([]))
-        return P.BatchResult(results=results)
+        op_result = self._batch_op
+        return P.BatchResult(results=[op_result(op, ctx) for op in req.ops])
 
-    def _batch_op(self, op: Any, ctx: _Ctx) -> P.OpResult:
+    def _batch_op(self, op: Any, ctx: _Ctx) -> dict[str, Any]:
+        """One operation's `P.OpResult` map (built directly: same keys, same order)."""
         try:
             sub = P.decode_batch_op(op, ctx.extras)
             outcome = self._run(sub, ctx)
         except (P.ProtocolError, RequestError) as exc:
             self.rpc.error(exc.code)
-            return P.OpResult(ok=False, code=str(exc.code), msg=exc.message)
+            return {"ok": False, "code": str(exc.code), "msg": exc.message}
         if isinstance(outcome, Refusal):
             self.rpc.error(str(outcome.code))
-            return P.OpResult(ok=False, code=str(outcome.code), msg=outcome.message)
-        extras: list[bytes] = []
-        return P.OpResult(ok=True, r=outcome.to_map(extras))
+            return {"ok": False, "code": str(outcome.code), "msg": outcome.message}
+        # Results carry no token fields: nothing goes to extra frames.
+        return {"ok": True, "r": outcome.to_map([])}
 
     # ------------------------------------------------------------------
     # Admin
