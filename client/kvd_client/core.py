@@ -27,7 +27,7 @@ import itertools
 import os
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -161,6 +161,8 @@ class _BatchRequest:
 
 
 _RESULT_FIELDS: dict[type[Result], frozenset[str]] = {}
+#: The keys of a successful batch entry (`OpResult` with ``ok`` and ``r``).
+_OK_ENTRY: Final = frozenset({"ok", "r"})
 
 
 def _result(cls: type[R], reply: OkReply) -> R:
@@ -641,11 +643,16 @@ class Deferred(Generic[T]):
     def settle(self, session: Session, entry: Any) -> None:
         """Feed this operation its entry of the batch reply."""
         try:
-            res = _result(OpResult, OkReply(self._id, entry if type(entry) is dict else {}))
-            if res.ok:
-                self._op.send(OkReply(self._id, res.r or {}))
+            r = entry.get("ok") is True and entry.get("r") if type(entry) is dict else None
+            if type(r) is dict and entry.keys() <= _OK_ENTRY:
+                # The common well-formed success, without decoding an OpResult first.
+                self._op.send(OkReply(self._id, r))
             else:
-                self._op.throw(session.error(str(res.code), str(res.msg)))
+                res = _result(OpResult, OkReply(self._id, entry if type(entry) is dict else {}))
+                if res.ok:
+                    self._op.send(OkReply(self._id, res.r or {}))
+                else:
+                    self._op.throw(session.error(str(res.code), str(res.msg)))
             self._op.close()
             raise InternalError(f"{type(self.request).__name__} expected one reply")
         except StopIteration as stop:
