@@ -44,6 +44,7 @@ __all__ = [
     "MetricsConfig",
     "NamespaceLimits",
     "PoolConfig",
+    "SecurityConfig",
     "ServerConfig",
     "load_config",
 ]
@@ -53,6 +54,8 @@ BACKENDS: Final = ("shm", "cuda")
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 _LOG_FORMATS: Final = ("auto", "json", "console")
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: Principal keys of ``security.namespaces`` and ``security.admins`` (names resolved later).
+_PRINCIPAL_RE: Final = re.compile(r"^(\*|(uid|gid):[0-9]+|(user|group):[^:\s]+|key:\S{40})$")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -98,8 +101,12 @@ class ServerConfig:
     address: str = ""
     #: Optional second endpoint (``tcp://127.0.0.1:PORT``); "" for none.
     tcp_address: str = ""
-    #: Allow a non-loopback tcp endpoint (there is no authentication on tcp).
+    #: Allow a non-loopback tcp endpoint (tcp clients still need a listed CURVE key).
     allow_public_tcp: bool = False
+    #: The server's CURVE certificate (``zmq.auth`` secret file, mode 0600); needed for tcp.
+    curve_secret_key_file: str = ""
+    #: Directory of the allowed clients' public CURVE certificates (``*.key``); needed for tcp.
+    curve_clients_dir: str = ""
     #: Mode of the ipc socket file; the access control for every request.
     socket_mode: int = 0o660
     #: Mode of the runtime directory the daemon creates for its socket.
@@ -315,6 +322,52 @@ class EventsConfig:
             raise ConfigError("topic", "may only use the {pool} placeholder") from None
 
 
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Who may use which namespace, how fast and how much (``kvd.server.security``)."""
+
+    #: Bind namespaces to principals: a hello outside its rules gets FORBIDDEN.
+    enforce_namespaces: bool = False
+    #: Principal (``uid:N``, ``gid:N``, ``user:NAME``, ``group:NAME``, ``key:Z85``, ``*``)
+    #: -> namespaces it may open (``NAME``, ``PREFIX*`` or ``*``).
+    namespaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Principals allowed admin requests other than PING; empty: every connection.
+    admins: tuple[str, ...] = ()
+    #: Requests per second per session (one shared bucket without a session); 0 = off.
+    rate_limit: float = 0.0
+    #: Burst of the rate limit, in requests.
+    rate_burst: int = 200
+    #: Tokens one allocate/append may carry or an allocate/fork reserve; 0 = no limit.
+    max_tokens_per_request: int = 0
+    #: Sequences one session may hold at once; 0 = no limit.
+    max_sequences_per_session: int = 4096
+
+    def __post_init__(self) -> None:
+        for principal, patterns in self.namespaces.items():
+            key = f"namespaces.{principal}"
+            _require(
+                bool(_PRINCIPAL_RE.match(principal)),
+                key,
+                "bad principal (use uid:N, gid:N, user:NAME, group:NAME, key:Z85 or *)",
+            )
+            for p in patterns:
+                _require("*" not in p[:-1], key, f"bad pattern {p!r} (NAME, PREFIX* or *)")
+        for admin in self.admins:
+            _require(
+                bool(_PRINCIPAL_RE.match(admin)),
+                "admins",
+                f"bad principal {admin!r} (use uid:N, gid:N, user:NAME, group:NAME, key:Z85 or *)",
+            )
+        _require(self.rate_limit >= 0, "rate_limit", "must be >= 0 (0 = off)")
+        _require(self.rate_burst >= 1, "rate_burst", "must be >= 1")
+        _require(self.max_tokens_per_request >= 0, "max_tokens_per_request", "must be >= 0")
+        _require(
+            self.max_sequences_per_session >= 0,
+            "max_sequences_per_session",
+            "must be >= 0 (0 = no limit)",
+        )
+
+
 def _default_pools() -> tuple[PoolConfig, ...]:
     return (PoolConfig(),)
 
@@ -331,6 +384,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _require(len(self.pools) > 0, "pools", "at least one pool is needed")

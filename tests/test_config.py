@@ -150,12 +150,69 @@ def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     assert "\n" not in str(info.value)
 
 
+_CURVE = {"server.curve_secret_key_file": "/k/server.key_secret", "server.curve_clients_dir": "/k"}
+
+
 def test_public_tcp_allowed_when_explicit() -> None:
     config = load_config(
         env={},
-        overrides={"server.allow_public_tcp": "true", "server.tcp_address": "tcp://0.0.0.0:5555"},
+        overrides={
+            **_CURVE,
+            "server.allow_public_tcp": "true",
+            "server.tcp_address": "tcp://0.0.0.0:5555",
+        },
     )
     assert config.server.tcp_address == "tcp://0.0.0.0:5555"
+
+
+@pytest.mark.parametrize("key", ["server.tcp_address", "server.address"])
+def test_a_tcp_endpoint_with_curve_is_accepted(key: str) -> None:
+    config = load_config(env={}, overrides={**_CURVE, key: "tcp://127.0.0.1:5555"})
+    assert config.server.curve_clients_dir == "/k"
+
+
+def test_security_defaults_enforce_nothing_but_the_sequence_cap() -> None:
+    sec = Config().security
+    assert not sec.enforce_namespaces
+    assert (sec.namespaces, sec.admins, sec.rate_limit) == ({}, (), 0.0)
+    assert sec.max_tokens_per_request == 0
+    assert sec.max_sequences_per_session == 4096
+
+
+def test_security_section_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text(
+        '[security]\nenforce_namespaces = true\nadmins = ["uid:0"]\nrate_limit = 50\n'
+        '[security.namespaces]\n"uid:1000" = ["tenant-a", "ml/*"]\n"*" = [""]\n'
+    )
+    sec = load_config(path, env={}).security
+    assert sec.enforce_namespaces
+    assert sec.namespaces == {"uid:1000": ("tenant-a", "ml/*"), "*": ("",)}
+    assert sec.admins == ("uid:0",)
+    assert sec.rate_limit == 50.0
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[security]\nrate_limit = -1\n", "security.rate_limit"),
+        ("[security]\nrate_burst = 0\n", "security.rate_burst"),
+        ("[security]\nmax_tokens_per_request = -1\n", "security.max_tokens_per_request"),
+        ("[security]\nmax_sequences_per_session = -1\n", "security.max_sequences_per_session"),
+        ('[security]\nadmins = ["root"]\n', "security.admins"),
+        ('[security]\nadmins = "uid:0"\n', "security.admins"),
+        ('[security.namespaces]\n"uid:x" = ["a"]\n', "security.namespaces.uid:x"),
+        ('[security.namespaces]\n"uid:1" = ["a*b"]\n', "security.namespaces.uid:1"),
+        ('[security.namespaces]\n"uid:1" = "a"\n', "security.namespaces.uid:1"),
+        ('[security.namespaces]\n"key:short" = ["a"]\n', "security.namespaces.key:short"),
+    ],
+)
+def test_bad_security_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.key == key
 
 
 def test_unknown_environment_key_fails() -> None:
