@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq.auth
 from kvd_client import protocol as P
 
 from .worker import COUNTERS, make_counter_file
@@ -132,6 +133,33 @@ SpawnWorker = Callable[..., WorkerProcess]
 def kvd_daemon(start_kvd: Callable[..., Any]) -> Any:
     """The shared tiny-pool daemon, without pressure notices (see NO_PRESSURE)."""
     return start_kvd(overrides=NO_PRESSURE)
+
+
+@pytest.fixture
+def curve_files(tmp_path: Path) -> dict[str, Path]:
+    """CURVE certificates: the server's secret file (0600), an allowed client's, and the
+    directory of allowed client keys (only that client's public certificate)."""
+    keys = tmp_path / "keys"
+    allowed = keys / "allowed"
+    allowed.mkdir(parents=True)
+    _, server_secret = zmq.auth.create_certificates(keys, "server")
+    public, client_secret = zmq.auth.create_certificates(keys, "client")
+    Path(server_secret).chmod(0o600)
+    (allowed / "client.key").write_bytes(Path(public).read_bytes())
+    return {
+        "server_secret": Path(server_secret),
+        "server_public": keys / "server.key",
+        "client_secret": Path(client_secret),
+        "clients_dir": allowed,
+    }
+
+
+def curve_overrides(files: dict[str, Path]) -> dict[str, str]:
+    """The daemon's config keys for ``curve_files``."""
+    return {
+        "server.curve_secret_key_file": str(files["server_secret"]),
+        "server.curve_clients_dir": str(files["clients_dir"]),
+    }
 
 
 @pytest.fixture

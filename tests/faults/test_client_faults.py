@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvd_client import Client
 
-from .conftest import NO_PRESSURE, ROOT, sessions, total_counts, wait_for
+from .conftest import NO_PRESSURE, ROOT, curve_overrides, sessions, total_counts, wait_for
 from .worker import PREFIXES, kv_value
 
 #: Unexpected in a run of valid operations, whatever happens to the processes.
@@ -167,12 +167,17 @@ def agents(kvd_env):
 
 
 def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_blocks(
-    start_kvd, agents
+    start_kvd, agents, curve_files
 ) -> None:
     # tcp carries no peer credentials: no pid watch, the lease alone decides.
     tcp = f"tcp://127.0.0.1:{_free_port()}"
     daemon = start_kvd(
-        overrides={**NO_PRESSURE, "server.lease_ms": "300", "server.tcp_address": tcp}
+        overrides={
+            **NO_PRESSURE,
+            **curve_overrides(curve_files),
+            "server.lease_ms": "300",
+            "server.tcp_address": tcp,
+        }
     )
     stopped, other = agents(), agents()
     assert stopped.do("connect", address=tcp)["ok"]
