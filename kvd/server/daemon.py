@@ -6,22 +6,24 @@ pool set against the memory that is there and the node budget; create and
 prefault every pool (in worker threads); bind the socket; then "ready"
 (log line, ``READY=1`` under systemd, ``task_status.started``).
 
-Serving is one root task group: the socket loop, the maintenance loop
-(pid watch, lease expiry, pressure notices), the signal receiver, the systemd watchdog
-and, when enabled, the metrics endpoint and KV events publisher.
+Serving is one root task group on the event loop (the maintenance loop:
+pid watch, lease expiry, pressure notices; the signal receiver; the
+systemd watchdog; when enabled, the metrics endpoint and KV events
+publisher) plus one *request thread* that owns the ROUTER socket.
 
-The socket loop drives a plain zmq socket with ``anyio.wait_readable`` on
-its FD instead of ``zmq.asyncio``. The FD is edge-triggered: the loop
-drains with NOBLOCK while ``EVENTS`` says POLLIN, and checks ``EVENTS``
-again after every send before waiting. Measured here (2 shared cores,
-blocking DEALER client over ipc://, PING-sized messages, p50 of the least
-disturbed of 6 rounds of 1000, all servers in the same run): bare blocking
-pyzmq ROUTER echo 33 µs; anyio.wait_readable echo 55 µs; zmq.asyncio echo
-65 µs; an asyncio reader kept registered instead of one wait per turn
-54 µs (not worth tying the loop to asyncio); kvd PING 73 µs; kvd
-allocate(64 tokens) + free, two round trips, 193 µs. Inside the daemon a
-PING costs ~6 µs of Python (decode 1.6, encode 1.8), allocate + free
-~15 µs of engine time.
+The request thread blocks in ``zmq_poll`` on the socket and an inproc
+wake-up PAIR, then receives, handles and replies to every message readily
+there (up to 64) before polling again; the event loop never touches the
+socket: what it sends (pressure notices, deferred hello replies) goes
+through an outbox the thread sends from when woken. One lock serialises
+the dispatcher and the engines: the request thread holds it per wake-up,
+the loop around each thing it does with them (maintenance, drain checks,
+reload, stats for metrics and the watchdog, runtime-pool creation); an
+engine call never runs in two threads at once. Engine events queue under
+the lock and the loop hands them to the publisher. Why a thread: an
+``anyio.wait_readable`` wake-up costs ~20 µs per request on this machine
+(asyncio's epoll callback, a future, a task step), more than the whole
+handling of a PING; see docs/architecture.md, "Request path".
 
 SIGTERM/SIGINT start a graceful drain: requests that start new work
 (hello, allocate, fork, pin, flush) get SHUTTING_DOWN, running sequences
@@ -46,9 +48,11 @@ attach. The socket loop keeps serving meanwhile.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import secrets
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -78,6 +82,8 @@ log = structlog.get_logger("kvd.server")
 
 #: Messages handled in a row before yielding to the other tasks (signals, pid watch).
 _FAIR_BATCH = 64
+#: How often the loop moves engine events to the publisher's channels (seconds).
+_EVENTS_INTERVAL = 0.002
 
 
 class Daemon:
@@ -118,6 +124,15 @@ class Daemon:
         self.dispatcher: Dispatcher | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._drain_requested = anyio.Event()
+        #: Held by the request thread while it handles messages, and by the event
+        #: loop around anything that reads or changes the dispatcher or engines.
+        self._lock = threading.Lock()
+        #: Frames (routing id first) the loop wants sent; the request thread sends them.
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
+        self._wake: zmq.Socket[bytes] | None = None
+        self._thread_error: BaseException | None = None
+        #: Engine events by pool, queued under the lock, moved to the channels by the loop.
+        self._events: collections.deque[tuple[str, list[Any]]] = collections.deque()
 
     # ------------------------------------------------------------------
     # Start
@@ -265,7 +280,7 @@ class Daemon:
                 sessions,
                 epoch=self.epoch,
                 addresses=self.addresses,
-                on_events=(lambda pool, events: channels[pool].extend(events))
+                on_events=(lambda pool, events: self._events.append((pool, events)))
                 if publisher is not None
                 else None,
                 observe=metrics.observe if metrics is not None else None,
@@ -309,6 +324,7 @@ class Daemon:
             self._tg = tg
             tg.start_soon(self._serve)
             if publisher is not None:
+                tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
             if signals is not None:
@@ -343,7 +359,8 @@ class Daemon:
     def _metrics_snapshot(self) -> dict[str, Any]:
         """The stats reshaped as kvd.server.metrics reads them (pools nest blocks, prefix)."""
         assert self.dispatcher is not None
-        stats = self.dispatcher.stats()
+        with self._lock:
+            stats = self.dispatcher.stats()
         pools = {
             name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
             for name in stats["pools"]
@@ -355,7 +372,8 @@ class Daemon:
 
     def _status_line(self) -> str:
         assert self.dispatcher is not None
-        stats = self.dispatcher.stats()
+        with self._lock:
+            stats = self.dispatcher.stats()
         used = sum(b["in_use"] for b in stats["blocks"].values())
         total = sum(b["total"] for b in stats["blocks"].values())
         return f"blocks in use {used}/{total}, {stats['clients']['sessions']} clients"
@@ -370,53 +388,107 @@ class Daemon:
             self._tg.cancel_scope.cancel()
 
     async def _serve(self) -> None:
+        """Run the request thread until cancelled, then stop it and wait for it."""
+        assert self._ctx is not None
+        endpoint = f"inproc://kvd-wake-{id(self)}"
+        wake_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
+        wake_rx.bind(endpoint)
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.connect(endpoint)
+        token = anyio.lowlevel.current_token()
+        thread = threading.Thread(
+            target=self._request_thread, args=(wake_rx, token), name="kvd-requests", daemon=True
+        )
+        thread.start()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._wake.send(b"stop")
+                await anyio.to_thread.run_sync(thread.join)
+                self._wake.close(0)
+                self._wake = None
+                wake_rx.close(0)
+            if self._thread_error is not None:
+                raise self._thread_error
+
+    def _request_thread(
+        self, wake: zmq.Socket[bytes], token: anyio.lowlevel.EventLoopToken
+    ) -> None:
+        """Serve the ROUTER socket: blocking poll, then receive, handle, reply.
+
+        The only thread that touches the socket once serving. A bug here stops
+        the daemon (the error is raised again by `_serve`).
+        """
+        try:
+            self._request_loop(wake, token)
+        except BaseException as exc:
+            self._thread_error = exc
+            anyio.from_thread.run_sync(self.stop_now, token=token)
+
+    def _request_loop(self, wake: zmq.Socket[bytes], token: anyio.lowlevel.EventLoopToken) -> None:
         sock = self._sock
         dispatcher = self.dispatcher
         assert sock is not None and dispatcher is not None
         handle = dispatcher.handle
-        fd = int(sock.getsockopt(zmq.FD))
+        lock = self._lock
+        outbox = self._outbox
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         noblock = zmq.NOBLOCK
-        pollin = zmq.POLLIN
-        events_opt = zmq.EVENTS
         hello = bytes((P.Kind.HELLO,))
         while True:
-            handled = 0
-            while int(sock.getsockopt(events_opt)) & pollin:
+            poller.poll()
+            while True:
                 try:
-                    ident = sock.recv(noblock, copy=False)
-                    frames = sock.recv_multipart(noblock)
+                    if wake.recv(noblock) == b"stop":
+                        return
                 except zmq.Again:
                     break
-                peer = None
-                if frames and frames[0] == hello:
-                    # Kernel credentials of the connection (ipc only); see sessions.py.
+            creations = False
+            with lock:
+                while outbox:
                     with contextlib.suppress(zmq.ZMQError):
-                        peer = parse_peer_address(str(ident.get("Peer-Address")))
-                identity = ident.bytes
-                reply = handle(identity, frames, peer)
-                if reply:
-                    with contextlib.suppress(zmq.ZMQError):
-                        sock.send_multipart([identity, *reply], noblock)
-                else:
-                    self._start_creations()
-                handled += 1
-                if handled >= _FAIR_BATCH:
-                    await anyio.lowlevel.checkpoint()
-                    handled = 0
-            await anyio.wait_readable(fd)
+                        sock.send_multipart(outbox.popleft(), noblock)
+                # Everything readily there, up to a fair share, before polling again.
+                for _ in range(_FAIR_BATCH):
+                    try:
+                        ident = sock.recv(noblock, copy=False)
+                        frames = sock.recv_multipart(noblock)
+                    except zmq.Again:
+                        break
+                    peer = None
+                    if frames and frames[0] == hello:
+                        # Kernel credentials of the connection (ipc only); see sessions.py.
+                        with contextlib.suppress(zmq.ZMQError):
+                            peer = parse_peer_address(str(ident.get("Peer-Address")))
+                    identity = ident.bytes
+                    reply = handle(identity, frames, peer)
+                    if reply:
+                        with contextlib.suppress(zmq.ZMQError):
+                            sock.send_multipart([identity, *reply], noblock)
+                    else:
+                        creations = True
+            if creations:  # started by the loop, outside the lock (it may be waiting on it)
+                anyio.from_thread.run_sync(self._start_creations, token=token)
 
     # ------------------------------------------------------------------
     # Runtime pools
 
     def _start_creations(self) -> None:
         assert self.dispatcher is not None and self._tg is not None
-        for job in self.dispatcher.take_creations():
+        with self._lock:
+            jobs = self.dispatcher.take_creations()
+        for job in jobs:
             self._tg.start_soon(self._create_runtime_pool, job)
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
-        if self._sock is not None:
+        """Queue a reply for the request thread (the loop never touches the socket)."""
+        if self._wake is not None:
+            self._outbox.append([identity, *frames])
             with contextlib.suppress(zmq.ZMQError):
-                self._sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+                self._wake.send(b"", zmq.NOBLOCK)
 
     async def _create_runtime_pool(self, job: PoolCreation) -> None:
         """Create ``job``'s pool (or wait for another hello creating it), then redo the hello."""
@@ -435,9 +507,12 @@ class Daemon:
                 del self._creating[name]
                 done.set()
             if refusal is not None:
-                self._send(job.identity, dispatcher.refuse_creation(job, *refusal))
+                with self._lock:
+                    frames = dispatcher.refuse_creation(job, *refusal)
+                self._send(job.identity, frames)
                 return
-        reply = dispatcher.handle(job.identity, job.frames, job.peer)
+        with self._lock:
+            reply = dispatcher.handle(job.identity, job.frames, job.peer)
         if reply:
             self._send(job.identity, reply)
         else:  # the creation it waited for was refused: this hello tries on its own
@@ -475,10 +550,11 @@ class Daemon:
             return made
         self._memories.append(made)
         runtime = PoolRuntime(pool, self._engine(pool), made)
-        self._pools[pool.name] = runtime
         if self._publisher is not None:
             self._channels[pool.name] = self._channel(self._publisher, pool)
-        self.dispatcher.add_pool(runtime)
+        with self._lock:  # the dispatcher's pools are this very dict
+            self._pools[pool.name] = runtime
+            self.dispatcher.add_pool(runtime)
         log.info(
             "pool_created",
             pool=pool.name,
@@ -497,15 +573,23 @@ class Daemon:
         period = self.config.server.pid_watch_ms / 1e3
         while True:
             await anyio.sleep(period)
-            for session in sessions.sweep_pids():
-                dispatcher.close_session(session, "pid_exited")
-            for session in sessions.expired():
-                dispatcher.close_session(session, "lease_expired")
-            sock = self._sock
-            for identity, frames in dispatcher.pressure_notices():
-                if sock is not None:
-                    with contextlib.suppress(zmq.ZMQError):
-                        sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+            with self._lock:
+                for session in sessions.sweep_pids():
+                    dispatcher.close_session(session, "pid_exited")
+                for session in sessions.expired():
+                    dispatcher.close_session(session, "lease_expired")
+                notices = dispatcher.pressure_notices()
+            for identity, frames in notices:
+                self._send(identity, frames)
+
+    async def _move_events(self) -> None:
+        """Hand the engines' events to their channels (the publisher is the loop's)."""
+        events = self._events
+        while True:
+            while events:
+                pool, batch = events.popleft()
+                self._channels[pool].extend(batch)
+            await anyio.sleep(_EVENTS_INTERVAL)
 
     async def _watchdog(self, notifier: Notifier, interval: float) -> None:
         while True:
@@ -537,7 +621,8 @@ class Daemon:
             assert self.dispatcher is not None
             if fresh.log != self.config.log and self._on_log_config is not None:
                 self._on_log_config(fresh)
-            report = self.dispatcher.reload(fresh)
+            with self._lock:
+                report = self.dispatcher.reload(fresh)
             self.config = report.config
             log.info(
                 "reloaded",
@@ -551,13 +636,19 @@ class Daemon:
         await self._drain_requested.wait()
         dispatcher = self.dispatcher
         assert dispatcher is not None
-        dispatcher.draining = True
+        with self._lock:
+            dispatcher.draining = True
         timeout = self.config.server.drain_timeout_s
         notifier.stopping(status="draining")
-        log.info("draining", in_flight=dispatcher.in_flight(), timeout_s=timeout)
+        log.info("draining", in_flight=self._in_flight(), timeout_s=timeout)
         deadline = time.monotonic() + timeout
-        while dispatcher.in_flight() and time.monotonic() < deadline:
+        while self._in_flight() and time.monotonic() < deadline:
             await anyio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        left = dispatcher.in_flight()
+        left = self._in_flight()
         log.info("drained" if not left else "drain_timeout", in_flight=left)
         self.stop_now()
+
+    def _in_flight(self) -> int:
+        assert self.dispatcher is not None
+        with self._lock:
+            return self.dispatcher.in_flight()

@@ -20,12 +20,13 @@ Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session:
 the socket file's mode is the access control. Every other kind needs a
 session opened by HELLO on the same connection, else SESSION_LOST.
 
-Engine calls are microseconds and run inline on the event loop. The one
-blocking step a request can need, creating a runtime pool (a HELLO with
-``create``), is checked here and then *deferred*: `handle` returns no
-frames, the request is queued as a `PoolCreation` for the daemon, which
-checks the memory budget and creates the pool in a worker thread, adds
-it with `add_pool` and handles the same HELLO again (now an attach).
+Engine calls are microseconds and run inline in the daemon's request
+thread (one at a time: see kvd.server.daemon). The one blocking step a
+request can need, creating a runtime pool (a HELLO with ``create``), is
+checked here and then *deferred*: `handle` returns no frames, the request
+is queued as a `PoolCreation` for the daemon, which checks the memory
+budget and creates the pool in a worker thread, adds it with `add_pool`
+and handles the same HELLO again (now an attach).
 
 `reload` applies what a re-read config may change on a running daemon
 (admission quotas and thresholds, runtime-pool limits) and says what it
