@@ -194,6 +194,7 @@ class Engine:
         self._minimums += (m > 0) - (ns.minimum > 0)
         ns.quota = q
         ns.minimum = m
+        self._forget_if_unused(ns)
 
     def close_session(self, sid: int) -> None:
         """Free the session's sequences and release its pins; committed
@@ -206,12 +207,40 @@ class Engine:
         del self._sessions[sid]
         sess.namespace.sessions.discard(sess)
         self._minimums -= sess.minimum > 0
+        self._forget_if_unused(sess.namespace)
+
+    def sequences_of(self, sid: int) -> int:
+        """How many sequences session ``sid`` holds (NOT_FOUND for an unknown session)."""
+        return len(self._session(sid).seqs)
 
     def _namespace(self, name: str) -> Namespace:
         ns = self._namespaces.get(name)
         if ns is None:
             ns = self._namespaces[name] = Namespace(name)
         return ns
+
+    def _forget_if_unused(self, ns: Namespace) -> None:
+        """Drop ``ns`` once nothing refers to it: no session, no cached block,
+        no usage and no limits. Otherwise every namespace a client ever named
+        would stay registered (hostile or cycling clients grow memory without
+        bound); a dropped one starts afresh (epoch 0, zero counters)."""
+        if (
+            not ns.sessions
+            and not ns.index
+            and not ns.usage
+            and ns.quota is None
+            and not ns.minimum
+            and self._namespaces.get(ns.name) is ns
+        ):
+            del self._namespaces[ns.name]
+
+    def _forget_emptied(self) -> None:
+        """Forget the namespaces whose last cached block an eviction just took."""
+        emptied = self._pool.emptied
+        while emptied:
+            ns = self._namespaces.get(emptied.pop().owner)
+            if ns is not None:
+                self._forget_if_unused(ns)
 
     def _session(self, sid: int) -> Session:
         try:
@@ -334,8 +363,10 @@ class Engine:
         removed: list[bytes] = []
         table = hits
         table += pool.take(num_blocks - num_hits, removed)
-        if removed and self._emit:
-            self._events.append(BlockRemoved(removed))
+        if removed:
+            if self._emit:
+                self._events.append(BlockRemoved(removed))
+            self._forget_emptied()
         buf = np.empty(max(target + bs, 64), dtype=np.int32)
         buf[:length] = arr
         seq = Sequence(
@@ -486,8 +517,10 @@ class Engine:
         pool = self._pool
         removed: list[bytes] = []
         taken = pool.take(new_blocks + cow, removed)
-        if removed and self._emit:
-            self._events.append(BlockRemoved(removed))
+        if removed:
+            if self._emit:
+                self._events.append(BlockRemoved(removed))
+            self._forget_emptied()
         if cow:
             src = table[-1]
             dst = taken[0]
@@ -686,6 +719,7 @@ class Engine:
                 drop_key(block)
             ns.index.clear()
             ns.epoch += 1
+            self._forget_if_unused(ns)
         if self._emit:
             if namespace is None:
                 self._events.append(AllBlocksCleared())
@@ -812,6 +846,10 @@ class Engine:
         for name, ns in self._namespaces.items():
             if ns.name != name:
                 problems.append(f"namespace {name!r} filed under another name")
+            if not (ns.sessions or ns.index or ns.usage or ns.quota is not None or ns.minimum):
+                problems.append(f"namespace {name!r} is unused but still registered")
+            if ns.index.owner != name:
+                problems.append(f"namespace {name!r}: its index belongs to {ns.index.owner!r}")
             if ns_usage[name] != ns.usage:
                 problems.append(
                     f"namespace {name!r}: usage {ns.usage}, recomputed {ns_usage[name]}"

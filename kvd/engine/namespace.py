@@ -24,7 +24,7 @@ class Namespace(Account):
     def __init__(self, name: str, quota: int | None = None, minimum: int = 0) -> None:
         super().__init__(quota, minimum)
         self.name = name
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(name)
         self.epoch = 0
         self.sessions: set[Session] = set()
         self.queries = 0

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from kvd.engine.block import Block
 from kvd.engine.free_list import BlockQueue
+from kvd.engine.prefix_index import PrefixIndex
 
 __all__ = ["BlockPool"]
 
@@ -23,7 +24,7 @@ class BlockPool:
     (`available`), so nothing here can fail halfway.
     """
 
-    __slots__ = ("blocks", "evictions", "free", "lru", "num_blocks")
+    __slots__ = ("blocks", "emptied", "evictions", "free", "lru", "num_blocks")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -32,6 +33,8 @@ class BlockPool:
         self.free: list[Block] = self.blocks[::-1]
         self.lru = BlockQueue()
         self.evictions = 0
+        #: Indexes that evictions in `take` left empty, for the owner to collect.
+        self.emptied: list[PrefixIndex] = []
 
     def available(self) -> int:
         """Blocks that can be taken now: free plus evictable."""
@@ -40,7 +43,8 @@ class BlockPool:
     def take(self, n: int, removed: list[bytes]) -> list[Block]:
         """``n`` blocks with ``ref == 1``: free ones first, then the least
         recently released evictable ones, whose keys leave their index at
-        once and are appended to ``removed``. Requires ``n <= available()``."""
+        once and are appended to ``removed`` (an index they leave empty is
+        appended to ``emptied``). Requires ``n <= available()``."""
         free = self.free
         k = len(free)
         if n <= k:
@@ -54,7 +58,10 @@ class BlockPool:
             note = removed.append
             for block in victims:
                 # Evictable blocks are keyed and indexed (check_invariants).
-                del block.index[block.key]  # type: ignore[union-attr,arg-type]
+                index = block.index
+                del index[block.key]  # type: ignore[union-attr,arg-type]
+                if not index and isinstance(index, PrefixIndex):
+                    self.emptied.append(index)
                 note(block.key)  # type: ignore[arg-type]
                 block.key = None
                 block.index = None

@@ -13,10 +13,16 @@ class PrefixIndex(dict[bytes, Block]):
     """Maps each cached block's key to the one block that holds it.
 
     A plain dict underneath (lookups and inserts stay C calls). One block
-    per key: a block whose key is already present stays private.
+    per key: a block whose key is already present stays private. ``owner``
+    names the namespace it belongs to (so an index emptied by eviction can
+    be traced back to its namespace).
     """
 
-    __slots__ = ()
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: str = "") -> None:
+        super().__init__()
+        self.owner = owner
 
     def match(self, keys: Sequence[bytes]) -> list[Block]:
         """The blocks of the longest run of leading ``keys`` present."""

@@ -81,3 +81,14 @@ def test_drop_key_of_a_block_in_use_leaves_it_in_use() -> None:
     cache(pool, index, a, b"a")
     pool.drop_key(a)
     assert a.key is None and a.ref == 1 and a not in pool.free
+
+
+def test_take_reports_the_indexes_its_evictions_emptied() -> None:
+    pool, full, kept = BlockPool(3), PrefixIndex("full"), PrefixIndex("kept")
+    blocks = pool.take(3, [])
+    cache(pool, full, blocks[0], b"a")
+    cache(pool, kept, blocks[1], b"b")
+    cache(pool, kept, blocks[2], b"c")
+    pool.release(blocks)
+    pool.take(2, [])
+    assert [index.owner for index in pool.emptied] == ["full"]
