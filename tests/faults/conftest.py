@@ -26,9 +26,6 @@ from .worker import COUNTERS, make_counter_file
 
 WORKER = Path(__file__).with_name("worker.py")
 ROOT = Path(__file__).resolve().parents[2]
-#: Pressure notices off: the maintenance task's notice sends stall the serve loop (a daemon
-#: bug reported with a reproducer); restore the defaults once it is fixed.
-NO_PRESSURE = {"admission.pressure_thresholds": "[]"}
 #: Slots in the counter file (workers a test may start, restarts reuse a slot).
 SLOTS = 32
 
@@ -131,8 +128,8 @@ SpawnWorker = Callable[..., WorkerProcess]
 
 @pytest.fixture
 def kvd_daemon(start_kvd: Callable[..., Any]) -> Any:
-    """The shared tiny-pool daemon, without pressure notices (see NO_PRESSURE)."""
-    return start_kvd(overrides=NO_PRESSURE)
+    """The shared tiny-pool daemon (default pressure thresholds: notices go out)."""
+    return start_kvd()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvd_client import Client
 
-from .conftest import NO_PRESSURE, ROOT, curve_overrides, sessions, total_counts, wait_for
+from .conftest import ROOT, curve_overrides, sessions, total_counts, wait_for
 from .worker import PREFIXES, kv_value
 
 #: Unexpected in a run of valid operations, whatever happens to the processes.
@@ -104,7 +104,7 @@ def test_kv_committed_by_killed_clients_is_served_intact(kvd_daemon, spawn_worke
 def test_a_stopped_ipc_client_keeps_its_session_while_its_process_lives(
     start_kvd, spawn_worker
 ) -> None:
-    daemon = start_kvd(overrides={**NO_PRESSURE, "server.lease_ms": "200"})
+    daemon = start_kvd(overrides={"server.lease_ms": "200"})
     worker = spawn_worker(daemon.address)
     worker.read_event("ready")
     time.sleep(0.3)
@@ -173,7 +173,6 @@ def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_bl
     tcp = f"tcp://127.0.0.1:{_free_port()}"
     daemon = start_kvd(
         overrides={
-            **NO_PRESSURE,
             **curve_overrides(curve_files),
             "server.lease_ms": "300",
             "server.tcp_address": tcp,

@@ -12,7 +12,7 @@ from kvd_client import Client
 
 from kvd.memory.shm import segment_path
 
-from .conftest import NO_PRESSURE, read_counts, sessions, total_counts, wait_for
+from .conftest import read_counts, sessions, total_counts, wait_for
 from .test_client_faults import BUGS, _assert_clean
 
 DRAIN_S = 4.0
@@ -29,7 +29,7 @@ def _log_events(daemon) -> list[str]:
 def test_sigterm_under_load_answers_every_request_and_cleans_up(
     start_kvd, spawn_worker, worker_stats: Path
 ) -> None:
-    daemon = start_kvd(overrides={**NO_PRESSURE, "server.drain_timeout_s": str(DRAIN_S)})
+    daemon = start_kvd(overrides={"server.drain_timeout_s": str(DRAIN_S)})
     workers = [spawn_worker(daemon.address, "--exit-on-shutdown") for _ in range(4)]
     for w in workers:
         w.read_event("ready")
@@ -58,7 +58,7 @@ def test_sigterm_under_load_answers_every_request_and_cleans_up(
 
 
 def test_sigterm_with_a_client_that_keeps_its_sequences_stops_at_the_deadline(start_kvd) -> None:
-    daemon = start_kvd(overrides={**NO_PRESSURE, "server.drain_timeout_s": "1.0"})
+    daemon = start_kvd(overrides={"server.drain_timeout_s": "1.0"})
     with Client.connect(daemon.address, name="stubborn") as kv:
         seq = kv.allocate("s", np.arange(40, dtype=np.int32))
         t0 = time.monotonic()
@@ -77,7 +77,7 @@ def test_sigterm_with_a_client_that_keeps_its_sequences_stops_at_the_deadline(st
 def test_after_a_sigkill_the_next_daemon_cleans_up_and_clients_reattach(
     start_kvd, spawn_worker, worker_stats: Path
 ) -> None:
-    first = start_kvd(overrides=NO_PRESSURE)
+    first = start_kvd()
     workers = [spawn_worker(first.address, "--timeout", "1.0") for _ in range(3)]
     for w in workers:
         w.read_event("ready")
@@ -89,7 +89,7 @@ def test_after_a_sigkill_the_next_daemon_cleans_up_and_clients_reattach(
     assert sock.exists() and segment.exists()  # what a killed daemon leaves behind
     stale_inode = segment.stat().st_ino
 
-    second = start_kvd(overrides=NO_PRESSURE)
+    second = start_kvd()
     assert "stale_segments_removed" in _log_events(second)
     assert segment.stat().st_ino != stale_inode  # a new file at the same path
     pids = {w.pid for w in workers}

@@ -27,9 +27,8 @@ At the end every worker is killed, and the run passes when:
   (a live session holds a pidfd; a leaked pidfd or socket shows here).
 
 Prints a summary (operations, kills, restarts, errors by code, leaked blocks,
-RSS) and exits 0 on a pass, 1 otherwise. ``--no-pressure`` turns the
-daemon's pressure notices off (a serve-loop stall while they are on is a
-known daemon bug).
+RSS) and exits 0 on a pass, 1 otherwise. The daemon runs with its default
+pressure thresholds, so notices go out throughout the run.
 """
 
 from __future__ import annotations
@@ -171,8 +170,6 @@ class Soak:
         self.slots = args.workers
         make_counter_file(self.stats, self.slots)
         self.overrides = dict(POOL)
-        if args.no_pressure:
-            self.overrides["admission.pressure_thresholds"] = "[]"
         self.daemons: list[Daemon] = []
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.kills = 0
@@ -339,7 +336,6 @@ class Soak:
                 None if g is None else {"warm": g[0], "last": g[1], "growth": g[2]} for g in fds
             ],
             "fd_bound": self.slots,
-            "pressure_notices": not self.args.no_pressure,
         }
         summary["passed"] = (
             not summary["unexpected_errors"]
@@ -374,8 +370,7 @@ class Soak:
 
 def render(s: dict[str, Any]) -> str:
     lines = [
-        f"soak: {s['duration_s']} s, {s['workers']} workers, pressure notices "
-        f"{'on' if s['pressure_notices'] else 'off'}",
+        f"soak: {s['duration_s']} s, {s['workers']} workers",
         f"operations performed:   {s['operations']} ({s['daemon_requests']} requests on the "
         f"last daemon, hit ratio {s['hit_ratio']})",
         "  by kind:              "
@@ -407,7 +402,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kill-rate", type=float, default=1.0, help="client kills per second")
     parser.add_argument("--rss-bound-mib", type=float, default=16.0)
-    parser.add_argument("--no-pressure", action="store_true", help="pressure notices off")
     parser.add_argument("--json", help="also write the summary here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     return parser.parse_args(argv)

@@ -19,14 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_short_soak_passes_with_no_leaked_block(tmp_path: Path) -> None:
     seconds = float(os.environ.get("KVD_SOAK_SECONDS", "20"))
     out = tmp_path / "soak.json"
-    # Pressure notices off: with them on the daemon's serve loop can stall (reported bug).
     run = subprocess.run(
         [
             sys.executable,
             str(SOAK),
             "--duration",
             str(seconds),
-            "--no-pressure",
             "--json",
             str(out),
         ],
