@@ -29,6 +29,27 @@ from kvd_client.protocol import OkReply
 
 __all__ = ["AsyncTransport", "BlockingTransport", "dealer"]
 
+# Plain ints: pyzmq's flag enums cost an enum construction per operation.
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def _send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> None:
+    """``send_multipart`` without its per-frame type checks (every frame is bytes here)."""
+    send = sock.send
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(frame, _SNDMORE if i < last else 0)
+
+
+def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """``recv_multipart`` with int flags."""
+    recv = sock.recv
+    parts = [recv()]
+    while sock.get(_RCVMORE):
+        parts.append(recv())
+    return parts
+
 
 def dealer(address: str) -> zmq.Socket[bytes]:
     """A DEALER socket connected to ``address``; ValueError for a malformed address."""
@@ -64,9 +85,9 @@ class BlockingTransport:
         self._set_timeout(max(1, int(timeout * 1000)))
         deadline = 0.0
         try:
-            sock.send_multipart(frames)
+            _send_frames(sock, frames)
             while True:
-                reply = session.accept(sock.recv_multipart(), out.id)
+                reply = session.accept(_recv_frames(sock), out.id)
                 if reply is not None:
                     return reply
                 # A notice or a stale reply: keep waiting, within the same deadline.

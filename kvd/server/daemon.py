@@ -436,23 +436,27 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        noblock = zmq.NOBLOCK
+        # Plain ints: pyzmq's flag enums cost an enum construction per operation.
+        noblock = int(zmq.NOBLOCK)
+        events_opt = int(zmq.EVENTS)
+        pollin = int(zmq.POLLIN)
         hello = bytes((P.Kind.HELLO,))
         while True:
             poller.poll()
-            while True:
-                try:
-                    if wake.recv(noblock) == b"stop":
-                        return
-                except zmq.Again:
-                    break
+            # EVENTS before each receive: a receive that finds nothing raises
+            # zmq.Again, which costs more than the whole check.
+            while int(wake.get(events_opt)) & pollin:
+                if wake.recv(noblock) == b"stop":
+                    return
             creations = False
             with lock:
                 while outbox:
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send_multipart(outbox.popleft(), noblock)
                 # Everything readily there, up to a fair share, before polling again.
-                for _ in range(_FAIR_BATCH):
+                handled = 0
+                while handled < _FAIR_BATCH and int(sock.get(events_opt)) & pollin:
+                    handled += 1
                     try:
                         ident = sock.recv(noblock, copy=False)
                         frames = sock.recv_multipart(noblock)
