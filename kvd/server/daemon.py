@@ -502,7 +502,7 @@ class Daemon:
         other = self._creating.get(name)
         if other is not None:
             await other.wait()
-        else:
+        elif name not in self._pools:  # else created since this hello was deferred: attach
             done = self._creating[name] = anyio.Event()
             try:
                 async with self._create_lock:
