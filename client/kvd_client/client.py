@@ -59,7 +59,7 @@ from kvd_client.errors import InvalidRequest, KvdError
 from kvd_client.layout import PoolLayout
 from kvd_client.pool import PoolMapping
 from kvd_client.protocol import MAX_NAME_LEN, CheckResult, CommitResult, Notice, PingResult
-from kvd_client.transport import AsyncTransport, BlockingTransport
+from kvd_client.transport import AsyncTransport, BlockingTransport, CurveTriple
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -577,6 +577,7 @@ class Client(ClientBase["Client"]):
         create: bool = False,
         backend: str | None = None,
         device: int | None = None,
+        curve: CurveTriple | None = None,
     ) -> Client:
         """Connect and open a session on ``pool`` (``pool=None``: operator requests only).
 
@@ -587,8 +588,11 @@ class Client(ClientBase["Client"]):
         when it has none of that name (`Forbidden` when the operator disabled
         runtime pools, `QuotaExceeded`/`OutOfBlocks` when the cap or the memory
         refuses it); a re-attach after a daemon restart creates it again.
-        ``timeout`` must cover the pool's allocation. Raises `DaemonUnavailable`
-        when nothing answers within ``timeout`` seconds.
+        ``timeout`` must cover the pool's allocation. ``curve`` =
+        ``(server_public, public, secret)`` (z85 keys) for a tcp endpoint,
+        which the daemon serves only with CURVE. Raises `DaemonUnavailable`
+        when nothing answers within ``timeout`` seconds (an unlisted CURVE key
+        included: the daemon drops such connections without a word).
         """
         identity = _identity(
             pool,
@@ -601,7 +605,7 @@ class Client(ClientBase["Client"]):
             backend=backend,
             device=device,
         )
-        transport = BlockingTransport(address or default_address())
+        transport = BlockingTransport(address or default_address(), curve)
         client = cls(Session(identity, on_notice), transport, timeout)
         if pool is not None:
             try:
@@ -678,6 +682,7 @@ class AsyncClient(ClientBase["AsyncClient"]):
         create: bool = False,
         backend: str | None = None,
         device: int | None = None,
+        curve: CurveTriple | None = None,
     ) -> _Connecting:
         """Like `Client.connect`; await it, or use it as ``async with``."""
         identity = _identity(
@@ -693,7 +698,7 @@ class AsyncClient(ClientBase["AsyncClient"]):
         )
 
         async def make() -> AsyncClient:
-            transport = AsyncTransport(address or default_address())
+            transport = AsyncTransport(address or default_address(), curve)
             client = cls(Session(identity, on_notice), transport, timeout)
             if pool is not None:
                 try:

@@ -10,6 +10,10 @@ Socket options, and why:
   no daemon listening a send waits (up to the timeout) instead of queueing a
   request that a daemon started minutes later would still execute.
 - ``LINGER=0``: closing never blocks on unsent messages.
+- ``curve``: a tcp endpoint of the daemon is served only with CURVE; the
+  client gives the server's public key and its own key pair (z85), set
+  before connecting. An unlisted key gets no connection at all (requests
+  time out: `DaemonUnavailable`).
 - ZeroMQ reconnects by itself after a daemon restart; the new daemon answers
   ``SESSION_LOST`` and the session re-attaches. A reply that arrives after its
   request timed out carries an old id and is dropped.
@@ -27,7 +31,10 @@ from kvd_client.core import Outgoing, Session
 from kvd_client.errors import DaemonUnavailable
 from kvd_client.protocol import OkReply
 
-__all__ = ["AsyncTransport", "BlockingTransport", "dealer"]
+__all__ = ["AsyncTransport", "BlockingTransport", "CurveTriple", "dealer"]
+
+#: CURVE keys of a tcp connection, z85: (server public, client public, client secret).
+CurveTriple = tuple[bytes, bytes, bytes]
 
 # Plain ints: pyzmq's flag enums cost an enum construction per operation.
 _SNDMORE = int(zmq.SNDMORE)
@@ -51,12 +58,20 @@ def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
     return parts
 
 
-def dealer(address: str) -> zmq.Socket[bytes]:
-    """A DEALER socket connected to ``address``; ValueError for a malformed address."""
+def dealer(address: str, curve: CurveTriple | None = None) -> zmq.Socket[bytes]:
+    """A DEALER socket connected to ``address`` (a CURVE client with ``curve``).
+
+    ValueError for a malformed address or keys.
+    """
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     try:
+        if curve is not None:
+            server, public, secret = curve
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.connect(address)
     except zmq.ZMQError as exc:
         sock.close()
@@ -67,9 +82,9 @@ def dealer(address: str) -> zmq.Socket[bytes]:
 class BlockingTransport:
     """Round trips on a blocking socket (send and receive time-outs in the socket)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: CurveTriple | None = None) -> None:
         self.address = address
-        self._sock = dealer(address)
+        self._sock = dealer(address, curve)
         self._timeout_ms = -1
 
     def _set_timeout(self, ms: int) -> None:
@@ -112,9 +127,9 @@ class AsyncTransport:
     the FD only after EAGAIN. Callers serialise round trips (one waiter per FD).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: CurveTriple | None = None) -> None:
         self.address = address
-        self._sock = dealer(address)
+        self._sock = dealer(address, curve)
         self._fd: int = self._sock.FD
 
     async def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 import anyio
 import pytest
+import zmq
 from kvd_client import protocol as P
 from kvd_client.core import Identity, Session
 from kvd_client.errors import DaemonUnavailable
-from kvd_client.transport import AsyncTransport, BlockingTransport
+from kvd_client.transport import AsyncTransport, BlockingTransport, dealer
 
 from .support import Router
 
@@ -61,3 +62,19 @@ def test_async_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> No
 def test_malformed_address_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="cannot connect"):
         BlockingTransport("nonsense")
+
+
+def test_a_dealer_given_curve_keys_is_a_curve_client() -> None:
+    server_public, _ = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    sock = dealer("tcp://127.0.0.1:1", (server_public, public, secret))
+    try:
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        assert sock.getsockopt(zmq.CURVE_SERVER) == 0
+    finally:
+        sock.close(0)
+
+
+def test_bad_curve_keys_are_a_value_error() -> None:
+    with pytest.raises(ValueError, match="cannot connect"):
+        dealer("tcp://127.0.0.1:1", (b"short", b"short", b"short"))
