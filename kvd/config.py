@@ -142,6 +142,13 @@ class ServerConfig:
         _require(self.rcvhwm >= 0, "rcvhwm", "must be >= 0 (0 = no limit)")
         _require(self.sndhwm >= 0, "sndhwm", "must be >= 0 (0 = no limit)")
         _require(self.max_sessions >= 0, "max_sessions", "must be >= 0 (0 = unlimited)")
+        tcp = self.tcp_address or self.address.startswith("tcp://")
+        _require(
+            not tcp or bool(self.curve_secret_key_file and self.curve_clients_dir),
+            "curve_secret_key_file",
+            "a tcp endpoint is served only with CURVE: set curve_secret_key_file "
+            "and curve_clients_dir",
+        )
 
 
 @dataclass(frozen=True, slots=True)

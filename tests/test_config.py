@@ -165,6 +165,22 @@ def test_public_tcp_allowed_when_explicit() -> None:
     assert config.server.tcp_address == "tcp://0.0.0.0:5555"
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"server.tcp_address": "tcp://127.0.0.1:5555"},
+        {"server.address": "tcp://127.0.0.1:5555"},
+        {"server.tcp_address": "tcp://127.0.0.1:5555", "server.curve_clients_dir": "/k"},
+        {"server.address": "tcp://127.0.0.1:5555", "server.curve_secret_key_file": "/k/s"},
+    ],
+)
+def test_a_tcp_endpoint_without_curve_is_refused(overrides: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides=overrides)
+    assert info.value.key == "server.curve_secret_key_file"
+    assert "CURVE" in info.value.message
+
+
 @pytest.mark.parametrize("key", ["server.tcp_address", "server.address"])
 def test_a_tcp_endpoint_with_curve_is_accepted(key: str) -> None:
     config = load_config(env={}, overrides={**_CURVE, key: "tcp://127.0.0.1:5555"})

@@ -74,6 +74,7 @@ from kvd.server.handlers import Dispatcher, PoolCreation, PoolRuntime
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
 from kvd.server.sdnotify import Notifier
+from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
 from kvd.server.sessions import SessionTable, parse_peer_address
 
 __all__ = ["Daemon"]
@@ -82,6 +83,8 @@ log = structlog.get_logger("kvd.server")
 
 #: Messages handled in a row before yielding to the other tasks (signals, pid watch).
 _FAIR_BATCH = 64
+#: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
+_REFUSE_AT_EXIT = 10_000
 #: How often the loop moves engine events to the publisher's channels (seconds).
 _EVENTS_INTERVAL = 0.002
 
@@ -113,6 +116,8 @@ class Daemon:
         self._handle_signals = handle_signals
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
+        #: Vets the CURVE clients of a tcp endpoint (None without one).
+        self._zap: ZapHandler | None = None
         self._pools: dict[str, PoolRuntime] = {}
         self._memories: list[PoolMemory] = []
         self._bound: list[Path] = []
@@ -209,8 +214,14 @@ class Daemon:
                 startup_ms=round((time.perf_counter() - t0) * 1e3, 1),
                 **{k: v for k, v in memory.info().items() if k.endswith("_ms") or k == "path"},
             )
+        curve = None
+        if any(transport.ipc_path(a) is None for a in self.addresses):
+            server = self.config.server
+            curve = load_server_keys(server.curve_secret_key_file)
+            # The handler goes in before the CURVE endpoint: without one libzmq admits anyone.
+            self._zap = ZapHandler(self._ctx, load_client_keys(server.curve_clients_dir))
         self._sock = await anyio.to_thread.run_sync(
-            transport.bind_router, self._ctx, self.addresses, self.config.server
+            transport.bind_router, self._ctx, self.addresses, self.config.server, curve
         )
         # Only socket files this daemon bound are unlinked at exit: a failed
         # start must never remove a live daemon's socket.
@@ -247,6 +258,9 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger_ms)
             self._sock = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         while self._bound:
             self._bound.pop().unlink(missing_ok=True)
         while self._memories:
@@ -287,6 +301,8 @@ class Daemon:
             )
             if publisher is not None:
                 self.dispatcher.sections["events"] = publisher.stats
+            if self._zap is not None:
+                self.dispatcher.sections["security"] = self._zap.stats
             # The handlers go in before the socket is served: a signal sent as soon
             # as the daemon answers (or says READY=1) must never meet the default
             # action (SIGHUP's is to terminate).
@@ -327,6 +343,8 @@ class Daemon:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
+            if self._zap is not None:
+                tg.start_soon(self._zap.serve)
             if signals is not None:
                 tg.start_soon(self._signals, notifier, signals)
             interval = notifier.watchdog_interval()
@@ -440,13 +458,20 @@ class Daemon:
         noblock = int(zmq.NOBLOCK)
         events_opt = int(zmq.EVENTS)
         pollin = int(zmq.POLLIN)
-        hello = bytes((P.Kind.HELLO,))
+        # Kinds whose connection's identity matters: HELLO (namespace policy, pid
+        # watch) and, once security.admins is set, the admin kinds.
+        vetted = {bytes((P.Kind.HELLO,))}
+        if dispatcher.policy.admins:
+            vetted |= {bytes((k,)) for k, cls in P.REQUESTS.items() if cls.ADMIN}
+        curve = self._zap is not None
         while True:
             poller.poll()
             # EVENTS before each receive: a receive that finds nothing raises
             # zmq.Again, which costs more than the whole check.
             while int(wake.get(events_opt)) & pollin:
                 if wake.recv(noblock) == b"stop":
+                    with lock:
+                        self._refuse_queued(sock, dispatcher)
                     return
             creations = False
             with lock:
@@ -462,13 +487,16 @@ class Daemon:
                         frames = sock.recv_multipart(noblock)
                     except zmq.Again:
                         break
-                    peer = None
-                    if frames and frames[0] == hello:
+                    peer = user_id = None
+                    if frames and frames[0] in vetted:
                         # Kernel credentials of the connection (ipc only); see sessions.py.
                         with contextlib.suppress(zmq.ZMQError):
                             peer = parse_peer_address(str(ident.get("Peer-Address")))
+                        if curve:  # the client's CURVE key, as the ZAP handler answered
+                            with contextlib.suppress(zmq.ZMQError):
+                                user_id = str(ident.get("User-Id")) or None
                     identity = ident.bytes
-                    reply = handle(identity, frames, peer)
+                    reply = handle(identity, frames, peer, user_id)
                     if reply:
                         with contextlib.suppress(zmq.ZMQError):
                             sock.send_multipart([identity, *reply], noblock)
@@ -476,6 +504,18 @@ class Daemon:
                         creations = True
             if creations:  # started by the loop, outside the lock (it may be waiting on it)
                 anyio.from_thread.run_sync(self._start_creations, token=token)
+
+    @staticmethod
+    def _refuse_queued(sock: zmq.Socket[bytes], dispatcher: Dispatcher) -> None:
+        """Answer what is still queued with SHUTTING_DOWN rather than silence (bounded)."""
+        for _ in range(_REFUSE_AT_EXIT):
+            try:
+                ident = sock.recv(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([ident, *dispatcher.refuse_shutting_down(frames)], zmq.NOBLOCK)
 
     # ------------------------------------------------------------------
     # Runtime pools
@@ -516,7 +556,7 @@ class Daemon:
                 self._send(job.identity, frames)
                 return
         with self._lock:
-            reply = dispatcher.handle(job.identity, job.frames, job.peer)
+            reply = dispatcher.handle(job.identity, job.frames, job.peer, job.user_id)
         if reply:
             self._send(job.identity, reply)
         else:  # the creation it waited for was refused: this hello tries on its own

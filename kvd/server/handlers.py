@@ -17,8 +17,17 @@ Outcomes and their replies:
   engine checks before it mutates, so no rollback is attempted here.
 
 Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session:
-the socket file's mode is the access control. Every other kind needs a
-session opened by HELLO on the same connection, else SESSION_LOST.
+the socket file's mode is the access control, and with ``security.admins``
+set, kinds other than PING need an admin principal (FORBIDDEN). Every
+other kind needs a session opened by HELLO on the same connection, else
+SESSION_LOST.
+
+Access policy (`kvd.server.security`), checked before anything moves: a
+HELLO naming a namespace its principal (the ipc peer's uid/gid, the tcp
+client's CURVE key) is not granted gets FORBIDDEN; a request beyond the
+session's rate (one shared bucket without a session) RATE_LIMITED; too
+many tokens in one allocate/append/fork, or a session's sequence beyond
+``security.max_sequences_per_session``, TOO_LARGE.
 
 Engine calls are microseconds and run inline in the daemon's request
 thread (one at a time: see kvd.server.daemon). The one blocking step a
@@ -56,6 +65,7 @@ from kvd.engine.stats import EngineStats
 from kvd.errors import ConfigError
 from kvd.memory import PoolMemory
 from kvd.memory.budget import format_bytes
+from kvd.server.security import NamespacePolicy, Principal, RateLimiter, RequestLimits
 from kvd.server.sessions import PeerCred, Session, SessionTable
 from kvd.server.stats import RpcStats
 
@@ -137,6 +147,8 @@ class PoolCreation:
     identity: bytes
     frames: list[bytes]
     peer: PeerCred | None
+    #: The CURVE key (z85) of a tcp client, as ZAP vouched for it.
+    user_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +185,13 @@ class _Ctx:
     extras: Sequence[bytes]
     #: The whole message (kept for a request handled again later).
     message: Sequence[bytes] = ()
+    #: The CURVE key (z85) of a tcp client (ZAP's User-Id); None on ipc.
+    user_id: str | None = None
+
+    @property
+    def principal(self) -> Principal:
+        """Who sent it, as far as the kernel or CURVE vouches."""
+        return Principal.of(self.peer, self.user_id)
 
 
 _Outcome = P.Result | Refusal
@@ -222,6 +241,12 @@ class Dispatcher:
         self._creations: list[PoolCreation] = []
         #: More stats sections by name (the daemon adds ``events`` when publishing).
         self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
+        sec = config.security
+        self.policy = NamespacePolicy.from_config(
+            sec.namespaces, enforce=sec.enforce_namespaces, admins=sec.admins
+        )
+        self.limiter = RateLimiter(sec.rate_limit, sec.rate_burst) if sec.rate_limit else None
+        self.limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         self._table: dict[int, _Handler] = {
             P.Kind.HELLO: self._hello,
             P.Kind.HEARTBEAT: self._heartbeat,
@@ -251,14 +276,21 @@ class Dispatcher:
     # Entry point
 
     def handle(
-        self, identity: bytes, frames: Sequence[bytes], peer: PeerCred | None = None
+        self,
+        identity: bytes,
+        frames: Sequence[bytes],
+        peer: PeerCred | None = None,
+        user_id: str | None = None,
     ) -> list[bytes]:
         """The reply frames (without routing id) for one message; never raises.
 
-        No frames: the request was deferred (a pool to create, see `take_creations`).
+        ``peer``: the ipc connection's kernel credentials; ``user_id``: the
+        tcp client's CURVE key (z85). Both only matter for HELLO and admin
+        kinds. No frames: the request was deferred (a pool to create, see
+        `take_creations`).
         """
         t0 = time.perf_counter_ns()
-        kind, ops, reply = self._reply(identity, frames, peer)
+        kind, ops, reply = self._reply(identity, frames, peer, user_id)
         if not reply:
             return reply
         elapsed = time.perf_counter_ns() - t0
@@ -268,7 +300,11 @@ class Dispatcher:
         return reply
 
     def _reply(
-        self, identity: bytes, frames: Sequence[bytes], peer: PeerCred | None
+        self,
+        identity: bytes,
+        frames: Sequence[bytes],
+        peer: PeerCred | None,
+        user_id: str | None = None,
     ) -> tuple[str, int, list[bytes]]:
         """(kind name for stats, operations carried, reply frames)."""
         try:
@@ -282,7 +318,7 @@ class Dispatcher:
         req_id: int = getattr(req, "id", 0)
         ops = len(req.ops) if isinstance(req, P.Batch) else 1
         try:
-            ctx = _Ctx(identity, peer, None, frames[2:], frames)
+            ctx = _Ctx(identity, peer, None, frames[2:], frames, user_id)
             if not req.ADMIN and req.KIND != P.Kind.HELLO:
                 ctx.session = self.sessions.lookup(identity)
                 if ctx.session is None:
@@ -291,6 +327,16 @@ class Dispatcher:
                         "no session for this connection (daemon restarted, lease expired, "
                         "or no hello); old sequences are gone: send hello again",
                     )
+            if self.limiter is not None:
+                denial = self.limiter.check(
+                    ctx.session.id if ctx.session is not None else None, self.clock()
+                )
+                if denial is not None:
+                    raise RequestError(denial.code, denial.message)
+            if req.ADMIN and self.policy.admins:
+                denial = self.policy.check_admin(ctx.principal, req.KIND)
+                if denial is not None:
+                    raise RequestError(denial.code, denial.message)
             outcome = self._run(req, ctx)
         except _Deferred:
             return _KIND_NAMES[req.KIND], ops, []
@@ -324,6 +370,14 @@ class Dispatcher:
                 self._publish_events()
         return outcome
 
+    def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
+        """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
+        try:
+            req_id: int | None = getattr(P.decode_request(frames), "id", None)
+        except P.ProtocolError as exc:
+            req_id = exc.req_id
+        return self._error(req_id, P.Code.SHUTTING_DOWN, "the daemon stopped")
+
     def _error(self, req_id: int | None, code: P.Code, message: str) -> list[bytes]:
         self.rpc.error(code)
         return P.encode_error(req_id, code, message)
@@ -347,6 +401,8 @@ class Dispatcher:
         self.sessions.remove(session)
         self.pools[session.pool].engine.close_session(session.id)
         self.closed_sessions[reason] += 1
+        if self.limiter is not None:
+            self.limiter.forget(session.id)
         if self.on_events is not None:
             self._publish_events()
         log.info(
@@ -364,6 +420,10 @@ class Dispatcher:
                 P.Code.VERSION,
                 f"client speaks protocol {req.version}, daemon speaks {P.PROTOCOL_VERSION}",
             )
+        if self.policy.enforce:
+            denial = self.policy.check_namespace(ctx.principal, req.namespace)
+            if denial is not None:
+                raise RequestError(denial.code, denial.message)
         pool = self.pools.get(req.pool)
         if pool is None:
             if req.create:
@@ -511,7 +571,7 @@ class Dispatcher:
         # A second creator of a pool being created waits for it, then attaches (or
         # gets MISMATCH for another layout) when its hello is handled again.
         self._creations.append(
-            PoolCreation(config, req.id, ctx.identity, list(ctx.message), ctx.peer)
+            PoolCreation(config, req.id, ctx.identity, list(ctx.message), ctx.peer, ctx.user_id)
         )
         raise _Deferred
 
@@ -544,8 +604,18 @@ class Dispatcher:
     # ------------------------------------------------------------------
     # Sequences
 
+    def _check_size(self, req: P.Request, engine: Engine | None, sid: int) -> None:
+        """TOO_LARGE for too many tokens, or (``engine`` given) one sequence too many."""
+        limits = self.limits
+        denial = limits.check_request(req) if limits.max_tokens else None
+        if denial is None and engine is not None and limits.max_sequences:
+            denial = limits.check_sequences(engine.sequences_of(sid))
+        if denial is not None:
+            raise RequestError(denial.code, denial.message)
+
     def _allocate(self, req: P.Allocate, ctx: _Ctx) -> _Outcome:
         assert ctx.session is not None
+        self._check_size(req, self._pool_of(ctx.session).engine, ctx.session.id)
         r = self._pool_of(ctx.session).engine.allocate(
             ctx.session.id, req.seq, req.tokens, reserve=req.reserve
         )
@@ -562,6 +632,8 @@ class Dispatcher:
 
     def _append(self, req: P.Append, ctx: _Ctx) -> _Outcome:
         assert ctx.session is not None
+        if self.limits.max_tokens:
+            self._check_size(req, None, ctx.session.id)
         a = self._pool_of(ctx.session).engine.append(ctx.session.id, req.seq, req.tokens)
         if isinstance(a, Refusal):
             return a
@@ -572,6 +644,7 @@ class Dispatcher:
 
     def _fork(self, req: P.Fork, ctx: _Ctx) -> _Outcome:
         assert ctx.session is not None
+        self._check_size(req, self._pool_of(ctx.session).engine, ctx.session.id)
         f = self._pool_of(ctx.session).engine.fork(
             ctx.session.id, req.seq, req.child, reserve=req.reserve
         )

@@ -8,8 +8,15 @@ Binding an ipc path that another daemon serves silently steals it (the
 old daemon keeps an unreachable socket), so before binding, an existing
 socket file is PINGed: a live daemon's answer refuses the start; silence
 means the file is stale and it is unlinked. The socket file gets
-``socket_mode`` (0660) after bind, its directory ``dir_mode`` when the
-daemon creates it.
+``socket_mode`` (0660) after bind; it is bound under umask 0117, so it is
+never more open than 0660 between bind and chmod. Its directory gets
+``dir_mode`` when the daemon creates it, and any directory is refused
+when someone else owns it (they could swap the socket file for their
+own daemon's; `security.check_dir`).
+
+tcp endpoints are served only with CURVE (`security.bind_curve`): ipc
+endpoints are bound first (libzmq applies the CURVE options at bind time
+and cannot clear them, so everything bound after a CURVE endpoint is one).
 
 Socket options: MAXMSGSIZE a little above the protocol's
 MAX_MESSAGE_BYTES, because libzmq drops a larger frame by closing the
@@ -29,11 +36,13 @@ from pathlib import Path
 from typing import Final
 
 import msgpack
+import structlog
 import zmq
 from kvd_client import protocol as P
 
 from kvd.config import ServerConfig
 from kvd.errors import StartupError
+from kvd.server.security import CurveKeys, bind_curve, check_dir
 
 __all__ = [
     "MAXMSGSIZE",
@@ -48,6 +57,10 @@ __all__ = [
 
 #: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
 MAXMSGSIZE: Final = P.MAX_MESSAGE_BYTES + 64 * 1024
+#: Umask while binding: the socket file is created at most 0660 (chmod sets the mode after).
+_BIND_UMASK: Final = 0o117
+
+log = structlog.get_logger("kvd.server")
 
 
 def runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
@@ -109,6 +122,11 @@ def _prepare_ipc(path: Path, config: ServerConfig, ctx: zmq.Context[zmq.Socket[b
             os.chmod(directory, config.dir_mode)  # mkdir's mode is filtered by the umask
         except OSError as exc:
             raise StartupError(f"cannot create {directory}: {exc.strerror}") from None
+    problems = check_dir(directory)
+    if problems.fatal:
+        raise StartupError(f"unsafe socket directory: {'; '.join(problems.fatal)}")
+    for warning in problems.warnings:
+        log.warning("socket_dir_open", problem=warning)
     if not path.exists() and not path.is_symlink():
         return
     if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -120,23 +138,38 @@ def _prepare_ipc(path: Path, config: ServerConfig, ctx: zmq.Context[zmq.Socket[b
 
 
 def bind_router(
-    ctx: zmq.Context[zmq.Socket[bytes]], addresses: list[str], config: ServerConfig
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    addresses: list[str],
+    config: ServerConfig,
+    curve: CurveKeys | None = None,
 ) -> zmq.Socket[bytes]:
     """A configured ROUTER bound to every address; raises StartupError.
 
-    Call it only after `check_address` ran for each ipc address (which also
-    removes stale socket files). Blocking (bind is quick; the probe is not).
+    ipc addresses are bound first and plain; tcp ones after, as CURVE
+    endpoints with ``curve`` (required for tcp: their clients are vetted by
+    the ZAP handler, which must be bound already). Call it only after
+    `check_address` ran for each ipc address (which also removes stale
+    socket files). Blocking (bind is quick; the probe is not).
     """
+    tcp = [a for a in addresses if ipc_path(a) is None]
+    if tcp and curve is None:
+        raise StartupError(f"{tcp[0]}: a tcp endpoint is served only with CURVE keys")
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
     sock.setsockopt(zmq.SNDHWM, config.sndhwm)
+    ordered = [a for a in addresses if ipc_path(a) is not None] + tcp
+    old_umask = os.umask(_BIND_UMASK)
     try:
-        for address in addresses:
+        for address in ordered:
             try:
-                sock.bind(address)
+                if ipc_path(address) is None:
+                    assert curve is not None
+                    bind_curve(sock, address, curve)
+                else:
+                    sock.bind(address)
             except zmq.ZMQError as exc:
                 raise StartupError(
                     f"cannot bind {address}: {zmq.strerror(exc.errno or 0)}"
@@ -147,6 +180,8 @@ def bind_router(
     except BaseException:
         sock.close(0)
         raise
+    finally:
+        os.umask(old_umask)
     return sock
 
 

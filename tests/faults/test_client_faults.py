@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq.auth
 from kvd_client import Client
 
 from .conftest import ROOT, curve_overrides, sessions, total_counts, wait_for
@@ -126,7 +127,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-AGENT = ROOT / "tests" / "e2e" / "agent.py"
+#: tests/e2e/agent.py with CURVE keys for connect (tcp is served only with CURVE).
+AGENT = Path(__file__).with_name("curve_agent.py")
 
 
 class Agent:
@@ -166,6 +168,14 @@ def agents(kvd_env):
         agent.close()
 
 
+def _curve(files: dict[str, Path]) -> list[str]:
+    """The agent's ``curve`` argument: server public, client public, client secret (z85)."""
+    server, _ = zmq.auth.load_certificate(files["server_public"])
+    public, secret = zmq.auth.load_certificate(files["client_secret"])
+    assert secret is not None
+    return [server.decode(), public.decode(), secret.decode()]
+
+
 def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_blocks(
     start_kvd, agents, curve_files
 ) -> None:
@@ -179,7 +189,7 @@ def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_bl
         }
     )
     stopped, other = agents(), agents()
-    assert stopped.do("connect", address=tcp)["ok"]
+    assert stopped.do("connect", address=tcp, curve=_curve(curve_files))["ok"]
     assert stopped.do("allocate", seq="s", tokens=list(range(40 * 16)))["ok"]
     assert stopped.do("commit", seq="s", n=8 * 16)["ok"]
     stopped.proc.send_signal(signal.SIGSTOP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import socket
 import stat
 import threading
 from collections.abc import Iterator
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 import zmq
 import zmq.auth
+from kvd_client import Client, DaemonUnavailable
 from kvd_client import protocol as P
+from kvd_client.errors import Forbidden, RateLimited, TooLarge
 
 from kvd.errors import ConfigError, StartupError
 from kvd.memory.shm import segment_path
@@ -446,3 +449,132 @@ def test_the_daemon_creates_a_0660_socket_in_a_0770_directory_and_0660_pools(
     }
     assert modes == {"dir": 0o770, "socket": 0o660, "pool": 0o660}
     assert check_dir(run_dir).ok
+
+
+# --------------------------------------------------------------------------
+# The policy wired into a real daemon
+
+
+def _connect(address: str, **kw):  # a short time-out: refusals are answered at once
+    return Client.connect(address, name="t", timeout=kw.pop("timeout", 5.0), **kw)
+
+
+def test_a_hello_outside_the_namespace_rules_is_forbidden_over_ipc(start_kvd) -> None:
+    rules = f'{{"uid:{os.getuid()}" = ["mine*"]}}'
+    daemon = start_kvd(
+        overrides={"security.enforce_namespaces": "true", "security.namespaces": rules}
+    )
+    with pytest.raises(Forbidden, match="'other' is not allowed for uid:"):
+        _connect(daemon.address, namespace="other")
+    assert daemon.stats()["clients"]["sessions"] == 0
+    with _connect(daemon.address, namespace="mine-1") as kv:
+        assert kv.session_id > 0
+
+
+def test_admin_requests_need_an_admin_once_admins_are_set(start_kvd) -> None:
+    daemon = start_kvd(overrides={"security.admins": '["uid:4242"]'})
+    assert isinstance(daemon.call(P.Ping(id=1)), P.OkReply)
+    reply = daemon.call(P.Stats(id=2))
+    assert isinstance(reply, P.ErrorReply) and reply.code == P.Code.FORBIDDEN
+
+
+def test_a_session_past_its_rate_is_rate_limited(start_kvd) -> None:
+    daemon = start_kvd(overrides={"security.rate_limit": "0.5", "security.rate_burst": "3"})
+    with _connect(daemon.address) as kv:  # the hello came from the shared bucket
+        codes = []
+        for i in range(5):
+            try:
+                kv.allocate(f"s{i}", _tokens(4)).free()
+                codes.append("ok")
+            except RateLimited:
+                codes.append("RATE_LIMITED")
+    assert "RATE_LIMITED" in codes and codes[0] == "ok"
+
+
+def test_request_limits_refuse_too_many_tokens_and_sequences(start_kvd) -> None:
+    daemon = start_kvd(
+        overrides={
+            "security.max_tokens_per_request": "32",
+            "security.max_sequences_per_session": "2",
+        }
+    )
+    with _connect(daemon.address) as kv:
+        with pytest.raises(TooLarge, match="33 tokens in one request"):
+            kv.allocate("big", _tokens(33))
+        a = kv.allocate("a", _tokens(8))
+        a.fork("b")
+        with pytest.raises(TooLarge, match="holds 2 sequences"):
+            kv.allocate("c", _tokens(8))
+        with pytest.raises(TooLarge, match="holds 2 sequences"):
+            a.fork("d")
+    assert daemon.check()["ok"] is True
+
+
+@pytest.fixture
+def curve_certs(tmp_path: Path) -> dict[str, Path]:
+    keys = tmp_path / "keys"
+    allowed = keys / "allowed"
+    allowed.mkdir(parents=True)
+    _, server_secret = zmq.auth.create_certificates(keys, "server")
+    public, _ = zmq.auth.create_certificates(keys, "client")
+    Path(server_secret).chmod(0o600)
+    (allowed / "client.key").write_bytes(Path(public).read_bytes())
+    zmq.auth.create_certificates(keys, "stranger")
+    return {"keys": keys, "server_secret": Path(server_secret), "allowed": allowed}
+
+
+def _curve(keys: Path, who: str) -> tuple[bytes, bytes, bytes]:
+    server_public, _ = zmq.auth.load_certificate(keys / "server.key")
+    public, secret = zmq.auth.load_certificate(keys / f"{who}.key_secret")
+    assert secret is not None
+    return server_public, public, secret
+
+
+def _tcp_daemon(start_kvd, certs: dict[str, Path], **extra: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tcp = f"tcp://127.0.0.1:{port}"
+    daemon = start_kvd(
+        overrides={
+            "server.tcp_address": tcp,
+            "server.curve_secret_key_file": str(certs["server_secret"]),
+            "server.curve_clients_dir": str(certs["allowed"]),
+            **extra,
+        }
+    )
+    return daemon, tcp
+
+
+def test_a_listed_curve_client_is_served_over_tcp_and_others_are_not(
+    start_kvd, curve_certs: dict[str, Path]
+) -> None:
+    key = _curve(curve_certs["keys"], "client")[1].decode()
+    rules = f'{{"key:{key}" = ["remote"], "*" = [""]}}'
+    daemon, tcp = _tcp_daemon(
+        start_kvd,
+        curve_certs,
+        **{"security.enforce_namespaces": "true", "security.namespaces": rules},
+    )
+    with _connect(tcp, namespace="remote", curve=_curve(curve_certs["keys"], "client")) as kv:
+        seq = kv.allocate("s", _tokens(20))
+        assert len(seq.block_table) == 2
+    with pytest.raises(DaemonUnavailable):
+        _connect(tcp, curve=_curve(curve_certs["keys"], "stranger"), timeout=1.0)
+    with pytest.raises(DaemonUnavailable):
+        _connect(tcp, timeout=1.0)  # plain tcp
+    zap = daemon.stats()["security"]
+    assert zap["zap_accepted"] >= 1 and zap["zap_refused"] >= 1
+    with _connect(daemon.address) as kv:  # the ipc endpoint stays plain
+        assert kv.session_id > 0
+
+
+def test_a_daemon_refuses_a_socket_directory_owned_by_another_user(
+    start_kvd, kvd_workdir: Path
+) -> None:
+    run_dir = kvd_workdir / "theirs"
+    run_dir.mkdir(mode=0o700)
+    os.chown(run_dir, 4242, 4242)
+    daemon = start_kvd(address=f"ipc://{run_dir}/kvd.sock", wait=False)
+    assert daemon.proc.wait(30) == 1
+    assert "owned by uid 4242" in daemon.log()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import tempfile
@@ -16,6 +17,7 @@ from kvd_client import protocol as P
 
 from kvd.config import ServerConfig
 from kvd.errors import StartupError
+from kvd.server.security import CurveKeys
 from kvd.server.transport import (
     MAXMSGSIZE,
     bind_router,
@@ -42,6 +44,9 @@ def sockdir() -> Iterator[Path]:
         yield Path(d)
 
 
+_KEYS = CurveKeys(*zmq.curve_keypair())
+
+
 @pytest.mark.parametrize(
     ("env", "uid", "expected"),
     [
@@ -59,7 +64,10 @@ def test_runtime_dir(env: dict[str, str], uid: int, expected: str) -> None:
 def test_default_address_is_ipc_in_the_runtime_dir() -> None:
     address = resolve_address(ServerConfig(), {"RUNTIME_DIRECTORY": "/run/kvd"})
     assert address == "ipc:///run/kvd/kvd.sock"
-    assert resolve_address(ServerConfig(address="tcp://127.0.0.1:5555")) == "tcp://127.0.0.1:5555"
+    tcp = ServerConfig(
+        address="tcp://127.0.0.1:5555", curve_secret_key_file="/k/s", curve_clients_dir="/k"
+    )
+    assert resolve_address(tcp) == "tcp://127.0.0.1:5555"
 
 
 def test_ipc_path_and_instance_id() -> None:
@@ -141,6 +149,46 @@ def test_bind_failure_is_a_startup_error(ctx: zmq.Context[zmq.Socket[bytes]]) ->
     port = taken.getsockname()[1]
     try:
         with pytest.raises(StartupError, match="cannot bind"):
-            bind_router(ctx, [f"tcp://127.0.0.1:{port}"], ServerConfig())
+            bind_router(ctx, [f"tcp://127.0.0.1:{port}"], ServerConfig(), _KEYS)
     finally:
         taken.close()
+
+
+def test_a_tcp_endpoint_without_curve_keys_is_not_bound(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    with pytest.raises(StartupError, match="only with CURVE"):
+        bind_router(ctx, ["tcp://127.0.0.1:*"], ServerConfig())
+
+
+def test_ipc_endpoints_are_bound_before_the_curve_ones(
+    ctx: zmq.Context[zmq.Socket[bytes]], sockdir: Path
+) -> None:
+    addresses = ["tcp://127.0.0.1:*", f"ipc://{sockdir}/kvd.sock"]
+    sock = bind_router(ctx, addresses, ServerConfig(), _KEYS)
+    try:
+        assert sock.getsockopt(zmq.LAST_ENDPOINT).decode().startswith("tcp://")
+        assert sock.getsockopt(zmq.CURVE_SERVER) == 1
+    finally:
+        sock.close(0)
+
+
+def test_binding_leaves_the_process_umask_alone(
+    ctx: zmq.Context[zmq.Socket[bytes]], sockdir: Path
+) -> None:
+    old = os.umask(0o022)
+    try:
+        bind_router(ctx, [f"ipc://{sockdir}/kvd.sock"], ServerConfig()).close(0)
+        assert os.umask(0o022) == 0o022
+    finally:
+        os.umask(old)
+
+
+def test_a_socket_directory_owned_by_another_user_is_refused(
+    ctx: zmq.Context[zmq.Socket[bytes]], sockdir: Path
+) -> None:
+    theirs = sockdir / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(StartupError, match="owned by uid 4242"):
+        check_address(f"ipc://{theirs}/kvd.sock", ServerConfig(), ctx)
