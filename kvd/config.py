@@ -113,6 +113,9 @@ class ServerConfig:
     dir_mode: int = 0o770
     #: A session's lease; renewed by any request, a heartbeat or a live pid.
     lease_ms: int = 5000
+    #: Leases a session closed by lease expiry (no pid to watch: tcp) keeps its blocks
+    #: out of circulation, since its stopped process may still write them; 0 = free at once.
+    quarantine_leases: int = 4
     #: How often the pids of same-host clients are checked.
     pid_watch_ms: int = 200
     #: Graceful shutdown budget: drain, close sessions, unlink, within this.
@@ -136,6 +139,7 @@ class ServerConfig:
         _require(0 <= self.socket_mode <= 0o777, "socket_mode", "must be a mode like 0o660")
         _require(0 <= self.dir_mode <= 0o777, "dir_mode", "must be a mode like 0o770")
         _require(self.lease_ms > 0, "lease_ms", "must be > 0")
+        _require(self.quarantine_leases >= 0, "quarantine_leases", "must be >= 0 (0 = none)")
         _require(self.pid_watch_ms > 0, "pid_watch_ms", "must be > 0")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         _require(self.probe_timeout_ms > 0, "probe_timeout_ms", "must be > 0")

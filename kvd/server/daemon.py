@@ -622,6 +622,7 @@ class Daemon:
                     dispatcher.close_session(session, "pid_exited")
                 for session in sessions.expired():
                     dispatcher.close_session(session, "lease_expired")
+                dispatcher.release_quarantined()
                 notices = dispatcher.pressure_notices()
             for identity, frames in notices:
                 self._send(identity, frames)

@@ -234,6 +234,9 @@ class Dispatcher:
         self.draining = False
         self.rpc = RpcStats(clock=clock)
         self.closed_sessions: Counter[str] = Counter()
+        #: Sessions closed by lease expiry whose engine sessions (so their blocks) are
+        #: kept until the deadline: (deadline, session), oldest first.
+        self.quarantined: list[tuple[float, Session]] = []
         self._pressure: dict[str, int] = {}
         #: Pools created at runtime (by a client's hello), and those being created.
         self.runtime: set[str] = set()
@@ -397,9 +400,22 @@ class Dispatcher:
         return self.pools[session.pool]
 
     def close_session(self, session: Session, reason: str) -> None:
-        """Close ``session`` in its engine (sequences freed, cached blocks kept) and forget it."""
+        """Close ``session`` in its engine (sequences freed, cached blocks kept) and forget it.
+
+        A session whose lease expired without a pid to watch (tcp) is only
+        forgotten: its engine session keeps every block for
+        ``server.quarantine_leases`` leases more (`release_quarantined`), since
+        the stopped process may resume and finish writing into them before
+        its next call gets SESSION_LOST. Blocks handed to another client in
+        the meantime would take that write.
+        """
         self.sessions.remove(session)
-        self.pools[session.pool].engine.close_session(session.id)
+        grace = self.config.server.quarantine_leases * self.sessions.lease_s
+        quarantine = reason == "lease_expired" and session.watched_pid is None and grace > 0
+        if quarantine:
+            self.quarantined.append((self.clock() + grace, session))
+        else:
+            self.pools[session.pool].engine.close_session(session.id)
         self.closed_sessions[reason] += 1
         if self.limiter is not None:
             self.limiter.forget(session.id)
@@ -412,7 +428,21 @@ class Dispatcher:
             pid=session.pid,
             pool=session.pool,
             reason=reason,
+            quarantine_s=grace if quarantine else None,
         )
+
+    def release_quarantined(self) -> int:
+        """Free the blocks of quarantined sessions whose grace is over; how many were released."""
+        now = self.clock()
+        done = 0
+        while self.quarantined and self.quarantined[0][0] <= now:
+            _, session = self.quarantined.pop(0)
+            self.pools[session.pool].engine.close_session(session.id)
+            done += 1
+            log.info("quarantine_released", session=session.id, pool=session.pool)
+        if done and self.on_events is not None:
+            self._publish_events()
+        return done
 
     def _hello(self, req: P.Hello, ctx: _Ctx) -> _Outcome:
         if req.version != P.PROTOCOL_VERSION:
@@ -875,8 +905,9 @@ class Dispatcher:
                 )
 
     def in_flight(self) -> int:
-        """Sequences held by all sessions (what a graceful drain waits for)."""
-        return sum(pool.engine.stats().sequences for pool in self.pools.values())
+        """Sequences held by live sessions (what a graceful drain waits for; not quarantined)."""
+        held = sum(pool.engine.stats().sequences for pool in self.pools.values())
+        return held - sum(self.pools[s.pool].engine.sequences_of(s.id) for _, s in self.quarantined)
 
     def stats(self) -> dict[str, Any]:
         """Every stats section (the STATS reply and kvd-ctl's source)."""
@@ -924,6 +955,7 @@ class Dispatcher:
                 "sessions": len(self.sessions),
                 "by_pool": {name: by_pool.get(name, 0) for name in self.pools},
                 "closed": dict(sorted(self.closed_sessions.items())),
+                "quarantined": len(self.quarantined),
             },
             "admission": {
                 "refusals": dict(sorted(refusals.items())),

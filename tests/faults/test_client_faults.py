@@ -176,15 +176,18 @@ def _curve(files: dict[str, Path]) -> list[str]:
     return [server.decode(), public.decode(), secret.decode()]
 
 
-def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_blocks(
+def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_its_blocks_stay_its_own(
     start_kvd, agents, curve_files
 ) -> None:
-    # tcp carries no peer credentials: no pid watch, the lease alone decides.
+    # tcp carries no peer credentials: no pid watch, the lease alone decides; the blocks of
+    # the expired session stay quarantined for 10 leases, so the stale writer's late write
+    # lands in blocks nobody else holds.
     tcp = f"tcp://127.0.0.1:{_free_port()}"
     daemon = start_kvd(
         overrides={
             **curve_overrides(curve_files),
             "server.lease_ms": "300",
+            "server.quarantine_leases": "10",
             "server.tcp_address": tcp,
         }
     )
@@ -195,17 +198,26 @@ def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_no_foreign_bl
     stopped.proc.send_signal(signal.SIGSTOP)
     try:
         wait_for(lambda: not sessions(daemon), 5.0, "the silent tcp session expired")
-        assert daemon.stats()["clients"]["closed"] == {"lease_expired": 1}
+        clients = daemon.stats()["clients"]
+        assert (clients["closed"], clients["quarantined"]) == ({"lease_expired": 1}, 1)
         assert other.do("connect", address=daemon.address)["ok"]
-        theirs = other.do("allocate", seq="o", tokens=list(range(5000, 5000 + 50 * 16)))
-        assert theirs["ok"]  # the expired session's 32 private blocks went back to the pool
+        refused = other.do("allocate", seq="o", tokens=list(range(5000, 5000 + 50 * 16)))
+        assert refused["code"] == "OUT_OF_BLOCKS"  # its 40 blocks are still out of circulation
     finally:
         stopped.proc.send_signal(signal.SIGCONT)
-
+    # The resumed client finishes its write into its (stale) blocks before its next call...
+    assert stopped.do("fill", seq="s", start=8 * 16, stop=40 * 16, value=9.0)["ok"]
     lost = stopped.do("commit", seq="s")
     assert (lost["error"], lost["code"]) == ("SessionLost", "SESSION_LOST")
     assert stopped.do("table", seq="s")["ok"]  # the stale handle is local state only...
     assert stopped.do("free", seq="s")["code"] == "SESSION_LOST"  # ...and stays dead
+
+    # ...and once the quarantine is over another client gets those blocks, untouched by it.
+    wait_for(lambda: daemon.stats()["clients"]["quarantined"] == 0, 10.0, "quarantine over")
+    theirs = other.do("allocate", seq="o", tokens=list(range(5000, 5000 + 50 * 16)))
+    assert theirs["ok"]
+    assert other.do("fill", seq="o", start=0, stop=50 * 16, value=1.0)["ok"]
+    assert set(other.do("read", seq="o", start=0, stop=50 * 16)["values"]) == {1.0}
     mine = stopped.do("allocate", seq="new", tokens=list(range(7 * 16)))  # re-attached
     assert mine["ok"] and not set(mine["table"]) & set(theirs["table"])
     assert mine["cached"] == 7 * 16 - 16  # its committed blocks stayed cached (capped hit)

@@ -583,3 +583,81 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
         assert down.data["level"] == 0
     finally:
         harness.close()
+
+
+# --------------------------------------------------------------------------
+# Security and quarantine
+
+
+def _expire(h: Harness, reason: str = "lease_expired") -> None:
+    for session in h.d.sessions:
+        h.d.close_session(session, reason)
+
+
+def test_a_lease_expiry_without_a_pid_quarantines_the_sessions_blocks(h: Harness) -> None:
+    h.hello()
+    h.ok(P.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+    h.clock.now += h.d.sessions.lease_s * 2
+    _expire(h)
+    assert h.err(P.Commit(id=h.nid(), seq="s")).code == P.Code.SESSION_LOST
+    assert h.d.stats()["blocks"]["default"]["in_use"] == 3  # still out of circulation
+    assert (h.d.in_flight(), h.d.release_quarantined()) == (0, 0)
+    h.clock.now += h.d.sessions.lease_s * h.d.config.server.quarantine_leases
+    assert h.d.release_quarantined() == 1
+    assert h.d.stats()["blocks"]["default"]["in_use"] == 0
+    assert h.ok(P.Check(id=h.nid()))["ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("reason", "leases"), [("goodbye", "4"), ("pid_exited", "4"), ("lease_expired", "0")]
+)
+def test_other_closes_free_the_blocks_at_once(reason: str, leases: str) -> None:
+    h = Harness(_config(**{"server.quarantine_leases": leases}))
+    try:
+        h.hello()
+        h.ok(P.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+        _expire(h, reason)
+        assert h.d.quarantined == []
+        assert h.d.stats()["blocks"]["default"]["in_use"] == 0
+    finally:
+        h.close()
+
+
+def test_a_forbidden_namespace_opens_nothing() -> None:
+    h = Harness(
+        _config(
+            **{"security.enforce_namespaces": "true", "security.namespaces": '{"uid:7" = ["a*"]}'}
+        )
+    )
+    try:
+        hello = P.Hello(
+            id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=1, namespace="ab"
+        ).encode()
+        reply = h.send(hello, peer=PeerCred(uid=8, gid=8, pid=1))
+        assert isinstance(reply, P.ErrorReply) and reply.code == P.Code.FORBIDDEN
+        assert len(h.d.sessions) == 0
+        ok = h.send(hello, peer=PeerCred(uid=7, gid=8, pid=1))
+        assert isinstance(ok, P.OkReply)
+    finally:
+        h.close()
+
+
+def test_a_session_beyond_its_rate_is_rate_limited_and_its_bucket_refills() -> None:
+    h = Harness(_config(**{"security.rate_limit": "10", "security.rate_burst": "2"}))
+    try:
+        h.hello()  # the shared bucket
+        h.ok(P.Heartbeat(id=h.nid()))
+        h.ok(P.Heartbeat(id=h.nid()))
+        assert h.err(P.Heartbeat(id=h.nid())).code == P.Code.RATE_LIMITED
+        h.clock.now += 0.1
+        h.ok(P.Heartbeat(id=h.nid()))
+    finally:
+        h.close()
+
+
+def test_a_queued_message_at_exit_gets_shutting_down_with_its_id(h: Harness) -> None:
+    reply = P.decode_reply(h.d.refuse_shutting_down(P.Ping(id=41).encode()))
+    assert isinstance(reply, P.ErrorReply)
+    assert (reply.id, reply.code) == (41, P.Code.SHUTTING_DOWN)
+    garbage = P.decode_reply(h.d.refuse_shutting_down([b"\xff"]))
+    assert garbage.code == P.Code.SHUTTING_DOWN
