@@ -851,7 +851,7 @@ class Dispatcher:
         applied: list[str] = []
         restart: list[str] = []
         refused: dict[str, str] = {}
-        for section in ("server", "cache", "pools", "metrics", "events"):
+        for section in ("server", "cache", "pools", "metrics", "events", "security"):
             if getattr(fresh, section) != getattr(running, section):
                 restart.append(section)
         changed = [

@@ -661,3 +661,10 @@ def test_a_queued_message_at_exit_gets_shutting_down_with_its_id(h: Harness) -> 
     assert (reply.id, reply.code) == (41, P.Code.SHUTTING_DOWN)
     garbage = P.decode_reply(h.d.refuse_shutting_down([b"\xff"]))
     assert garbage.code == P.Code.SHUTTING_DOWN
+
+
+def test_a_reload_reports_security_changes_as_needing_a_restart(h: Harness) -> None:
+    fresh = _config(**{"security.rate_limit": "5"})
+    report = h.d.reload(fresh)
+    assert "security" in report.needs_restart
+    assert h.d.config.security.rate_limit == 0.0 and h.d.limiter is None
