@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq.auth
 
 from kvd.cli import main, parse_args
 
@@ -65,8 +66,16 @@ def test_config_defaults_to_kvd_config_variable(
     assert parse_args([]).config == str(path)
 
 
-def test_startup_failure_exits_1_with_one_line(tmp_path: Path) -> None:
+def test_startup_failure_exits_1_with_one_line(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # A tcp endpoint already taken: a real start-up failure, in a real process.
+    # tcp is served only with CURVE: the daemon needs its key pair and a client key.
+    keys = tmp_path_factory.mktemp("keys")
+    _, server_secret = zmq.auth.create_certificates(keys, "server")
+    Path(server_secret).chmod(0o600)
+    (keys / "clients").mkdir()
+    zmq.auth.create_certificates(keys / "clients", "client")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -85,6 +94,10 @@ def test_startup_failure_exits_1_with_one_line(tmp_path: Path) -> None:
                 "pools.0.num_blocks=8",
                 "--set",
                 f"memory.shm_dir={tmp_path}",
+                "--set",
+                f"server.curve_secret_key_file={server_secret}",
+                "--set",
+                f"server.curve_clients_dir={keys / 'clients'}",
             ],
             capture_output=True,
             text=True,
