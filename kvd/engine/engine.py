@@ -210,8 +210,11 @@ class Engine:
         self._forget_if_unused(sess.namespace)
 
     def sequences_of(self, sid: int) -> int:
-        """How many sequences session ``sid`` holds (NOT_FOUND for an unknown session)."""
-        return len(self._session(sid).seqs)
+        """How many sequences session ``sid`` holds (NOT_FOUND for an unknown session).
+
+        A query, not a call of the session's own: it settles nothing (the
+        daemon asks it about quarantined sessions too)."""
+        return len(self._find(sid).seqs)
 
     def _namespace(self, name: str) -> Namespace:
         ns = self._namespaces.get(name)
@@ -242,18 +245,45 @@ class Engine:
             if ns is not None:
                 self._forget_if_unused(ns)
 
-    def _session(self, sid: int) -> Session:
+    def _find(self, sid: int) -> Session:
         try:
             return self._sessions[sid]
         except (KeyError, TypeError):
             raise NotFoundError(f"no session {sid!r}") from None
 
+    def _session(self, sid: int) -> Session:
+        """The session of a call made by ``sid`` itself, its pending copy
+        sources released (see `_settle`)."""
+        sess = self._find(sid)
+        if sess.pending:
+            self._settle(sess)
+        return sess
+
     def _seq(self, sid: int, seq_id: str) -> Sequence:
+        """Like `_session`, for a call naming one of the session's sequences."""
         try:
-            return self._sessions[sid].seqs[seq_id]
+            sess = self._sessions[sid]
+            seq = sess.seqs[seq_id]
         except (KeyError, TypeError):
             self._session(sid)
             raise NotFoundError(f"no sequence {seq_id!r} in session {sid}") from None
+        if sess.pending:
+            self._settle(sess)
+        return seq
+
+    def _settle(self, sess: Session) -> None:
+        """Release the sources of the copies named in the session's last reply.
+
+        The client performs a reply's copies before its call returns and a
+        session's calls are serialised, so any later call of the session
+        proves them done. Every call of the session settles first, before it
+        validates anything: a call that then raises or is refused changes
+        nothing else (the settlement belongs to the previous call).
+        """
+        pending = sess.pending
+        self._pool.release(pending)
+        self._charge(sess, -len(pending), 0)
+        pending.clear()
 
     # ------------------------------------------------------------------
     # Admission
@@ -309,7 +339,8 @@ class Engine:
     ) -> tuple[bool, int]:
         """Would an allocation of ``num_tokens`` tokens reserving room for
         ``reserve`` be admitted now (ignoring prefix hits, which only help)?
-        Also: how many blocks ``sess`` could take now. Changes nothing."""
+        Also: how many blocks ``sess`` could take now. Changes nothing but
+        the settlement every call of the session makes (see `_settle`)."""
         sess = self._session(sid)
         n = _count(num_tokens, "num_tokens")
         target = n if reserve is None else max(n, _count(reserve, "reserve"))
@@ -476,8 +507,10 @@ class Engine:
     def append(self, sid: int, seq_id: str, tokens: TokensLike) -> Appended | Refusal:
         """Grow the sequence by ``tokens``. Writing into a partial last block
         that is shared or cached first moves the sequence to a private copy,
-        named in ``copies``. Growth within the reservation is never refused;
-        beyond it, appends may use the watermark."""
+        named in ``copies``; the copy's source stays held, charged to the
+        session, until the session's next call (the client copies in
+        between). Growth within the reservation is never refused; beyond it,
+        appends may use the watermark."""
         seq = self._seq(sid, seq_id)
         arr = _as_tokens(tokens)
         k = arr.shape[0]
@@ -496,7 +529,9 @@ class Engine:
                 cow = 1
         new_out = seq.reserve_blocks - num_blocks - new_blocks if new_length < seq.reserve else 0
         d_out = new_out - seq.out
-        usage = new_blocks + d_out
+        # The copy's source stays held (and charged) until the session's next
+        # call: within the reservation that is the copy block it reserved.
+        usage = new_blocks + cow + d_out
         demand = new_blocks + cow + d_out
         if usage > 0 or demand > 0:
             refusal = self._admit(seq.session, usage, demand, False)
@@ -525,7 +560,9 @@ class Engine:
             src = table[-1]
             dst = taken[0]
             table[-1] = dst
-            pool.release((src,))
+            # Not released yet: the client copies from it after the reply,
+            # and a block released now could be taken and overwritten first.
+            seq.session.pending.append(src)
             copies.append((src.block_id, dst.block_id))
             start -= 1
             taken = taken[1:]
@@ -838,6 +875,9 @@ class Engine:
                 if len({id(b) for b in pin_blocks}) != len(pin_blocks):
                     problems.append(f"session {sid} pin {pin_id}: a block appears twice")
                 usage += len(pin_blocks)
+            for block in sess.pending:
+                holders[block.block_id] += 1
+            usage += len(sess.pending)
             if usage != sess.usage:
                 problems.append(f"session {sid}: usage {sess.usage}, recomputed {usage}")
             if sess.quota is not None and usage > sess.quota:

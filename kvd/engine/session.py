@@ -16,9 +16,13 @@ __all__ = ["Session"]
 
 class Session(Account):
     """A client's sequences (ids scoped to the session) and pins, in one
-    namespace and with one adapter identity, fixed at open."""
+    namespace and with one adapter identity, fixed at open.
 
-    __slots__ = ("adapter", "namespace", "pins", "seqs", "sid")
+    ``pending`` holds the sources of copies named in the session's last
+    reply: each keeps one ref (and one block of usage) until the session's
+    next engine call, by which time the client has copied from it."""
+
+    __slots__ = ("adapter", "namespace", "pending", "pins", "seqs", "sid")
 
     def __init__(
         self, sid: int, namespace: Namespace, adapter: str | None, quota: int | None, minimum: int
@@ -29,6 +33,7 @@ class Session(Account):
         self.adapter = adapter
         self.seqs: dict[str, Sequence] = {}
         self.pins: dict[int, list[Block]] = {}
+        self.pending: list[Block] = []
 
     def __repr__(self) -> str:
         return f"Session({self.sid}, namespace={self.namespace.name!r}, seqs={len(self.seqs)})"

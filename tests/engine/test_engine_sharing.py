@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from kvd.engine import Allocation, Appended, Forked
+from kvd.engine import Allocation, Appended, Forked, NotFoundError
 
-from .support import Checked, toks
+from .support import BS, Checked, MakeEngine, toks
 
 
 def alloc(eng: Checked, seq: str, tokens: np.ndarray, reserve: int | None = None) -> Allocation:
@@ -48,7 +49,8 @@ def test_appending_into_a_shared_partial_block_copies_it(eng: Checked) -> None:
     dst = r.blocks[0]
     assert r.copies == [(a.table[1], dst)]
     assert r.start == 1 and dst not in a.table
-    assert refs(eng, [a.table[1], dst]) == [1, 1]
+    # The source: held by "a" and, until the session's next call, by the copy.
+    assert refs(eng, [a.table[1], dst]) == [2, 1]
 
 
 def test_the_other_holder_keeps_writing_in_place_after_the_copy(eng: Checked) -> None:
@@ -113,3 +115,71 @@ def test_freeing_a_fork_leaves_the_parent_intact(eng: Checked) -> None:
     eng.fork(1, "a", "b")
     eng.free(1, "b")
     assert refs(eng, a.table) == [1, 1]
+
+
+# --- the source of a copy stays held until the client has copied it ---------------
+
+
+def copied(make_engine: MakeEngine) -> tuple[Checked, int]:
+    """A full 4-block pool: session 1's "a" had its cached partial last block
+    (held by "a" alone) copied by an append, session 2 open. Returns the
+    engine and the copy's source."""
+    eng = make_engine(num_blocks=4)
+    eng.open_session(2)
+    a = alloc(eng, "a", toks(8))
+    eng.commit(1, "a")
+    eng.truncate(1, "a", 6)
+    r = append(eng, "a", [99])
+    assert r.copies == [(a.table[1], r.blocks[0])]
+    return eng, a.table[1]
+
+
+def test_a_copy_source_is_never_handed_to_another_session_before_the_next_call(
+    make_engine: MakeEngine,
+) -> None:
+    eng, src = copied(make_engine)
+    taken: list[int] = []
+    while isinstance(r := eng.allocate(2, f"b{len(taken)}", toks(BS, 100)), Allocation):
+        taken += r.table
+    assert taken and src not in taken
+
+
+def test_a_copy_source_is_released_at_the_sessions_next_call(make_engine: MakeEngine) -> None:
+    eng, src = copied(make_engine)
+    eng.commit(1, "a", 0)
+    assert eng._pool.blocks[src].ref == 0
+    assert eng.stats().session_usage[1] == 2
+
+
+def test_a_copy_source_is_released_by_a_call_that_fails(make_engine: MakeEngine) -> None:
+    eng, src = copied(make_engine)
+    with pytest.raises(NotFoundError):
+        eng.free(1, "nope")
+    assert eng._pool.blocks[src].ref == 0
+
+
+def test_a_copy_source_is_released_when_the_session_closes(make_engine: MakeEngine) -> None:
+    eng, src = copied(make_engine)
+    eng.close_session(1)
+    assert eng.stats().blocks_in_use == 0
+    assert eng._pool.blocks[src].ref == 0
+
+
+def test_another_sessions_call_keeps_a_copy_source_held(make_engine: MakeEngine) -> None:
+    eng, src = copied(make_engine)
+    eng.can_allocate(2, 0)
+    eng.sequences_of(1)
+    assert eng._pool.blocks[src].ref == 1
+    assert eng.stats().session_usage[1] == 3
+
+
+def test_a_copy_within_the_reservation_is_admitted_at_the_quota(make_engine: MakeEngine) -> None:
+    eng = make_engine(session=False)
+    eng.open_session(1, quota=3)
+    alloc(eng, "a", toks(8))
+    eng.commit(1, "a")
+    eng.truncate(1, "a", 6)  # reserves the copy: 2 blocks + 1
+    assert eng.stats().session_usage[1] == 3
+    r = append(eng, "a", [99, 98])
+    assert len(r.copies) == 1
+    assert eng.stats().session_usage[1] == 3  # the new block and the held source
