@@ -104,6 +104,9 @@ class Target:
         self.memory = ShmPool.create(
             pc.name, pc.layout, instance=f"fuzz{uuid.uuid4().hex[:10]}", prefault=False
         )
+        # No client ever attaches by name here, so the name can go at once: a
+        # fuzzer killed mid-run (libFuzzer's -timeout, OOM) leaves no segment.
+        self.memory.path.unlink()
         self.engine = Engine(
             EngineConfig(
                 num_blocks=NUM_BLOCKS, block_size=BS, hash_seed=self.config.cache.hash_seed
