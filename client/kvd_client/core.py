@@ -22,12 +22,11 @@ hello before the next session operation.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar, cast
+from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -160,22 +159,14 @@ class _BatchRequest:
         return encode_batch(self.id, self.ops)
 
 
-_RESULT_FIELDS: dict[type[Result], frozenset[str]] = {}
 #: The keys of a successful batch entry (`OpResult` with ``ok`` and ``r``).
 _OK_ENTRY: Final = frozenset({"ok", "r"})
 
 
 def _result(cls: type[R], reply: OkReply) -> R:
     """Decode a result map, ignoring fields added by newer daemons."""
-    names = _RESULT_FIELDS.get(cls)
-    if names is None:
-        fields = dataclasses.fields(cast(Any, cls))
-        names = _RESULT_FIELDS[cls] = frozenset(f.name for f in fields)
-    body = reply.result
-    if not body.keys() <= names:
-        body = {k: v for k, v in body.items() if k in names}
     try:
-        return cls.from_map(body, reply.extras)
+        return cls.from_map_lenient(reply.result, reply.extras)
     except ProtocolError as exc:
         raise InternalError(f"malformed {cls.__name__} from the daemon: {exc.message}") from None
 
@@ -198,8 +189,19 @@ def _opt_count(value: object, what: str) -> int | None:
     return None if value is None else _count(value, what)
 
 
+_INT32: Final = np.dtype(np.int32)
+
+
 def _tokens(tokens: npt.ArrayLike) -> npt.NDArray[np.int32]:
     """Token ids as an int32 array, checked like the wire checks them."""
+    if type(tokens) is np.ndarray and tokens.dtype == _INT32 and tokens.ndim == 1:
+        # The common form: only the sign can be wrong (a list min for short arrays).
+        n = tokens.shape[0]
+        if n > MAX_TOKENS:
+            raise TooLarge(f"more than {MAX_TOKENS} token ids in one request")
+        if n and (min(tokens.tolist()) if n <= 16 else int(tokens.min())) < 0:
+            raise InvalidRequest("token ids must lie in [0, 2**31)")
+        return tokens
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidRequest(f"token ids must be a 1-D sequence, got {arr.ndim} dimensions")

@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
+import threading
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar, Union, dataclass_transform
 
 import msgpack
@@ -81,6 +82,7 @@ __all__ = [
     "ProtocolError",
     "Request",
     "Stats",
+    "TokenFrames",
     "Truncate",
     "TruncateResult",
     "Unpin",
@@ -93,11 +95,12 @@ __all__ = [
     "encode_error",
     "encode_notice",
     "encode_ok",
+    "pack",
     "tokens_from_bytes",
     "tokens_to_bytes",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: A message (all frames together) larger than this is refused with TOO_LARGE.
 #: The daemon sets ZMQ_MAXMSGSIZE above it so that zmq never drops silently.
@@ -186,6 +189,23 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.req_id = req_id
+
+
+# --------------------------------------------------------------------------
+# msgpack
+
+#: One Packer per thread: ``packb`` builds a Packer per call, which costs
+#: four times the packing of a small body; a Packer is not shareable.
+_packers = threading.local()
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack bytes of ``obj`` (``bin`` type for bytes), with this thread's Packer."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------
@@ -350,77 +370,241 @@ def _schema(cls: type[Message]) -> tuple[_Field, ...]:
 M = TypeVar("M", bound="Message")
 
 
+class TokenFrames(list[bytes]):
+    """The extra frames of one message, each decoded to tokens at most once.
+
+    A batch's token fields slice one shared frame: the frame is decoded and
+    sign-checked once, and each operation gets a view of its slice.
+    """
+
+    __slots__ = ("_arrays",)
+
+    def __init__(self, frames: Sequence[bytes] = ()) -> None:
+        super().__init__(frames)
+        self._arrays: dict[int, tuple[_TokenArray, bool]] = {}
+
+    def tokens(self, index: int) -> tuple[_TokenArray, bool]:
+        """Frame ``index`` as int32 (length checked) and whether every id is >= 0."""
+        got = self._arrays.get(index)
+        if got is None:
+            buf = self[index]
+            if len(buf) % 4:
+                raise ProtocolError(Code.INVALID, f"token frame of {len(buf)} bytes is not int32s")
+            if len(buf) // 4 > MAX_TOKENS:
+                raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_TOKENS} tokens in one frame")
+            arr = np.frombuffer(buf, dtype="<i4")
+            got = self._arrays[index] = (arr, not arr.size or int(arr.min()) >= 0)
+        return got
+
+
+def _decode_tokens(value: Any, extras: Sequence[bytes], name: str) -> _TokenArray:
+    """A token field: ``i`` (all of extra frame ``i``) or ``[i, start, stop]`` (a slice of it)."""
+    if type(value) is int:
+        if not 0 <= value < len(extras):
+            raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
+        return tokens_from_bytes(extras[value])
+    if (
+        type(value) is not list
+        or len(value) != 3
+        or type(value[0]) is not int
+        or type(value[1]) is not int
+        or type(value[2]) is not int
+    ):
+        raise ProtocolError(
+            Code.INVALID, f"field {name!r}: expected a frame index or [frame, start, stop]"
+        )
+    index, start, stop = value
+    if not 0 <= index < len(extras):
+        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {index!r}")
+    frames = extras if type(extras) is TokenFrames else TokenFrames(extras)
+    arr, nonnegative = frames.tokens(index)
+    if not 0 <= start <= stop <= arr.shape[0]:
+        raise ProtocolError(
+            Code.INVALID,
+            f"field {name!r}: tokens {start}:{stop} outside frame {index} of {arr.shape[0]}",
+        )
+    part = arr[start:stop]
+    if not nonnegative and stop > start and int(part.min()) < 0:
+        raise ProtocolError(Code.INVALID, "negative token id")
+    return part
+
+
+def _unknown_fields(body: dict[Any, Any], names: frozenset[str]) -> None:
+    """INVALID when ``body`` has keys outside ``names`` (the keys may also be nil fields)."""
+    unknown = body.keys() - names
+    if unknown:
+        raise ProtocolError(Code.INVALID, f"unknown fields {sorted(map(str, unknown))}")
+
+
+def _small_tokens(arr: _TokenArray) -> bool:
+    """Whether an int32 array's ids are all >= 0 (a list min for short arrays: cheaper)."""
+    n = arr.shape[0]
+    return not n or (min(arr.tolist()) if n <= 16 else int(arr.min())) >= 0
+
+
+def _token_frame(value: Any, extras: list[bytes]) -> int:
+    """Append a token field's frame to ``extras``; the field's body value (its index)."""
+    extras.append(tokens_to_bytes(value))
+    return len(extras) - 1
+
+
+class _SharedTokens:
+    """One token frame for a whole batch: each field becomes ``[frame, start, stop]``."""
+
+    __slots__ = ("arrays", "frame", "size")
+
+    def __init__(self, frame: int) -> None:
+        self.frame = frame
+        self.arrays: list[_TokenArray] = []
+        self.size = 0
+
+    def add(self, value: Any, extras: list[bytes]) -> list[int]:
+        if type(value) is np.ndarray and value.dtype == _INT32_LE and value.ndim == 1:
+            if not _small_tokens(value):
+                raise ValueError("token ids must lie in [0, 2**31)")
+            arr = value
+        else:
+            arr = np.frombuffer(tokens_to_bytes(value), dtype=_INT32_LE)
+        start = self.size
+        self.size = start + arr.shape[0]
+        self.arrays.append(arr)
+        return [self.frame, start, self.size]
+
+    def frame_bytes(self) -> bytes:
+        arrays = self.arrays
+        return arrays[0].tobytes() if len(arrays) == 1 else np.concatenate(arrays).tobytes()
+
+
+def _compile_decoder(cls: type[Message], lenient: bool) -> Any:
+    """A straight-line decoder for ``cls`` (same checks and messages as the field loop).
+
+    ``lenient``: ignore unknown fields (results from a newer daemon) instead of
+    refusing them (requests).
+    """
+    fields = cls._fields()
+    env: dict[str, Any] = {
+        "cls": cls,
+        "ProtocolError": ProtocolError,
+        "INVALID": Code.INVALID,
+        "MIN": _INT64_MIN,
+        "MAX": _UINT64_MAX,
+        "LEN": MAX_NAME_LEN,
+        "check_int": _check_int,
+        "check_str": _check_str,
+        "tokens": _decode_tokens,
+        "unknown": _unknown_fields,
+        "NAMES": frozenset(f.name for f in fields),
+    }
+    not_map = f"{cls.__name__} body must be a map"
+    lines = [
+        "def decode(body, extras):",
+        "    if type(body) is not dict:",
+        f"        raise ProtocolError(INVALID, {not_map!r})",
+        "    get = body.get",
+        "    seen = 0",
+    ]
+    args = []
+    for i, f in enumerate(fields):
+        v, name = f"v{i}", f.name
+        args.append(v)
+        lines.append(f"    {v} = get({name!r})")
+        lines.append(f"    if {v} is None:")
+        if f.optional:
+            env[f"D{i}"] = f.default
+            lines.append(f"        {v} = D{i}")
+        else:
+            required = f"field {name!r} is required"
+            lines.append(f"        raise ProtocolError(INVALID, {required!r})")
+        lines.append("    else:")
+        lines.append("        seen += 1")
+        if f.is_tokens:
+            lines.append(f"        {v} = tokens({v}, extras, {name!r})")
+        elif f.check is _check_int:
+            lines.append(f"        if type({v}) is not int or not MIN <= {v} <= MAX:")
+            lines.append(f"            check_int({v}, {name!r})")
+        elif f.check is _check_str:
+            lines.append(f"        if type({v}) is not str or len({v}) > LEN:")
+            lines.append(f"            check_str({v}, {name!r})")
+        else:
+            env[f"C{i}"] = f.check
+            lines.append(f"        {v} = C{i}({v}, {name!r})")
+    if not lenient:
+        lines.append("    if seen != len(body):")
+        lines.append("        unknown(body, NAMES)")
+    lines.append(f"    return cls({', '.join(args)})")
+    exec("\n".join(lines), env)  # noqa: S102 (source built above from the dataclass schema)
+    return env["decode"]
+
+
+def _compile_encoder(cls: type[Message]) -> Any:
+    """A straight-line ``to_map`` for ``cls``: absent (None) fields are left out.
+
+    An int32 array in a Blocks field is trusted as it is (the daemon's engine
+    made it; a negative id still fails the peer's decoder): its bytes are
+    taken without the range scan `blocks_to_bytes` does.
+    """
+    fields = cls._fields()
+    env: dict[str, Any] = {"ndarray": np.ndarray, "I32": _INT32_LE, "blocks": blocks_to_bytes}
+    lines = ["def encode(self, extras, tok):", "    out = {}"]
+    for f in fields:
+        name = f.name
+        lines.append(f"    v = self.{name}")
+        lines.append("    if v is not None:")
+        if f.is_tokens:
+            lines.append(f"        out[{name!r}] = tok(v, extras)")
+        elif f.check is _check_blocks:
+            lines.append("        if type(v) is ndarray and v.dtype == I32 and v.ndim == 1:")
+            lines.append(f"            out[{name!r}] = v.tobytes()")
+            lines.append("        else:")
+            lines.append(f"            out[{name!r}] = blocks(v)")
+        else:
+            lines.append(f"        out[{name!r}] = v")
+    lines.append("    return out")
+    exec("\n".join(lines), env)  # noqa: S102 (source built above from the dataclass schema)
+    return env["encode"]
+
+
+#: Compiled codecs by message class (built on first use).
+_DECODERS: dict[type[Message], Any] = {}
+_LENIENT: dict[type[Message], Any] = {}
+_ENCODERS: dict[type[Message], Any] = {}
+
+
 class Message:
-    """Base of every body type: encodes to a map, decodes with checks."""
+    """Base of every body type: encodes to a map, decodes with checks.
+
+    Each class's codec is generated once from its dataclass schema (straight
+    code per field, no loop over a schema per message). Messages are plain
+    slotted dataclasses (not frozen: a frozen ``__init__`` costs four times as
+    much); treat them as values.
+    """
 
     __slots__ = ()
     _FIELDS: ClassVar[tuple[_Field, ...]] = ()
 
     def to_map(self, extras: list[bytes]) -> dict[str, Any]:
-        """The body map; token fields are appended to ``extras`` as frames.
-
-        An int32 array in a Blocks field is trusted as it is (the daemon's
-        engine made it; a negative id still fails the peer's decoder): its
-        bytes are taken without the range scan `blocks_to_bytes` does.
-        """
-        out: dict[str, Any] = {}
-        for f in type(self)._fields():
-            name = f.name
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if f.is_tokens:
-                out[name] = len(extras)
-                extras.append(tokens_to_bytes(value))
-            elif f.check is _check_blocks:
-                if type(value) is np.ndarray and value.dtype == _INT32_LE and value.ndim == 1:
-                    out[name] = value.tobytes()
-                else:
-                    out[name] = blocks_to_bytes(value)
-            else:
-                out[name] = value
-        return out
+        """The body map; token fields are appended to ``extras`` as frames."""
+        cls = type(self)
+        enc = _ENCODERS.get(cls)
+        if enc is None:
+            enc = _ENCODERS[cls] = _compile_encoder(cls)
+        return enc(self, extras, _token_frame)  # type: ignore[no-any-return]
 
     @classmethod
     def from_map(cls: type[M], body: Any, extras: Sequence[bytes]) -> M:
         """Decode a body map; raises ProtocolError(INVALID/TOO_LARGE)."""
-        if type(body) is not dict:
-            raise ProtocolError(Code.INVALID, f"{cls.__name__} body must be a map")
-        kwargs: dict[str, Any] = {}
-        fields = _SCHEMAS.get(cls) or cls._fields()
-        get = body.get
-        present = 0
-        for f in fields:
-            name = f.name
-            value = get(name)
-            if value is None:
-                if name in body:
-                    present += 1
-                if not f.optional:
-                    raise ProtocolError(Code.INVALID, f"field {name!r} is required")
-                kwargs[name] = f.default
-                continue
-            present += 1
-            check = f.check
-            # The two commonest checks inline (same conditions as the functions).
-            if check is _check_int:
-                if type(value) is not int or not _INT64_MIN <= value <= _UINT64_MAX:
-                    _check_int(value, name)
-                kwargs[name] = value
-            elif check is _check_str:
-                if type(value) is not str or len(value) > MAX_NAME_LEN:
-                    _check_str(value, name)
-                kwargs[name] = value
-            elif f.is_tokens:
-                if type(value) is not int or not 0 <= value < len(extras):
-                    raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
-                kwargs[name] = tokens_from_bytes(extras[value])
-            else:
-                kwargs[name] = check(value, name)
-        if present != len(body):
-            unknown = body.keys() - {f.name for f in fields}
-            raise ProtocolError(Code.INVALID, f"unknown fields {sorted(map(str, unknown))}")
-        return cls(**kwargs)
+        dec = _DECODERS.get(cls)
+        if dec is None:
+            dec = _DECODERS[cls] = _compile_decoder(cls, lenient=False)
+        return dec(body, extras)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_map_lenient(cls: type[M], body: Any, extras: Sequence[bytes]) -> M:
+        """Like `from_map`, ignoring unknown fields (a result from a newer daemon)."""
+        dec = _LENIENT.get(cls)
+        if dec is None:
+            dec = _LENIENT[cls] = _compile_decoder(cls, lenient=True)
+        return dec(body, extras)  # type: ignore[no-any-return]
 
     @classmethod
     def _fields(cls) -> tuple[_Field, ...]:
@@ -443,16 +627,16 @@ class Request(Message):
     def encode(self) -> list[bytes]:
         """Frames for the wire: kind, body, extras."""
         extras: list[bytes] = []
-        body = msgpack.packb(self.to_map(extras), use_bin_type=True)
-        return [bytes((self.KIND,)), body, *extras]
+        body = pack(self.to_map(extras))
+        return [_KIND_BYTES[self.KIND], body, *extras]
 
 
-@dataclass_transform(frozen_default=True)
+@dataclass_transform()
 def _req(kind: Kind, *, batchable: bool = False, admin: bool = False) -> Any:
-    """Class decorator: a frozen slotted dataclass registered under ``kind``."""
+    """Class decorator: a slotted dataclass registered under ``kind``."""
 
     def wrap(cls: type[Request]) -> type[Request]:
-        cls = dataclass(frozen=True, slots=True)(cls)
+        cls = dataclass(slots=True)(cls)
         cls.KIND = kind
         cls.BATCHABLE = batchable
         cls.ADMIN = admin
@@ -464,6 +648,8 @@ def _req(kind: Kind, *, batchable: bool = False, admin: bool = False) -> Any:
 
 #: Every request kind's decoder. The daemon dispatches on this table only.
 REQUESTS: dict[int, type[Request]] = {}
+#: Frame 0 of each kind.
+_KIND_BYTES: Final = {kind: bytes((kind,)) for kind in Kind}
 
 
 # --------------------------------------------------------------------------
@@ -660,9 +846,9 @@ class Result(Message):
     __slots__ = ()
 
 
-@dataclass_transform(frozen_default=True)
+@dataclass_transform()
 def _res(cls: type[Result]) -> type[Result]:
-    return dataclass(frozen=True, slots=True)(cls)
+    return dataclass(slots=True)(cls)
 
 
 @_res
@@ -821,16 +1007,16 @@ RESULTS: dict[int, type[Result]] = {
 # Replies
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OkReply:
     """A decoded OK reply: the raw result map (decode with ``RESULTS[kind]``)."""
 
     id: int
     result: dict[str, Any]
-    extras: list[bytes] = field(default_factory=list)
+    extras: Sequence[bytes] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ErrorReply:
     """A decoded error reply."""
 
@@ -839,7 +1025,7 @@ class ErrorReply:
     msg: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Notice:
     """A daemon push (``event`` e.g. ``"pressure"``) with free-form data."""
 
@@ -847,23 +1033,31 @@ class Notice:
     data: dict[str, Any]
 
 
+_OK: Final = int(Kind.OK)
+_ERROR: Final = int(Kind.ERROR)
+_KIND_OK: Final = bytes((Kind.OK,))
+_KIND_ERROR: Final = bytes((Kind.ERROR,))
+_KIND_BATCH: Final = bytes((Kind.BATCH,))
+
+
 def encode_ok(req_id: int, result: Result | dict[str, Any]) -> list[bytes]:
     """Frames of an OK reply."""
+    if type(result) is dict:
+        return [_KIND_OK, pack({"id": req_id, "r": result})]
     extras: list[bytes] = []
-    r = result if isinstance(result, dict) else result.to_map(extras)
-    return [bytes((Kind.OK,)), msgpack.packb({"id": req_id, "r": r}, use_bin_type=True), *extras]
+    r = typing.cast(Result, result).to_map(extras)
+    return [_KIND_OK, pack({"id": req_id, "r": r}), *extras]
 
 
 def encode_error(req_id: int | None, code: Code, msg: str) -> list[bytes]:
     """Frames of an error reply."""
-    body = {"id": req_id, "code": str(code), "msg": msg}
-    return [bytes((Kind.ERROR,)), msgpack.packb(body, use_bin_type=True)]
+    return [_KIND_ERROR, pack({"id": req_id, "code": str(code), "msg": msg})]
 
 
 def encode_notice(event: str, data: dict[str, Any]) -> list[bytes]:
     """Frames of a daemon push notification."""
     body = {"id": 0, "event": event, "data": data}
-    return [bytes((Kind.NOTICE,)), msgpack.packb(body, use_bin_type=True)]
+    return [bytes((Kind.NOTICE,)), pack(body)]
 
 
 def _unpack(body: bytes | memoryview) -> Any:
@@ -937,17 +1131,29 @@ def decode_batch_op(op: Any, extras: Sequence[bytes]) -> Request:
 
 
 def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
-    """Frames of a batch request carrying ``ops`` (each batchable)."""
+    """Frames of a batch request carrying ``ops`` (each batchable).
+
+    Every token field of the batch slices one shared extra frame
+    (``[0, start, stop]``): one frame per batch, not one per operation.
+    """
     if len(ops) > MAX_BATCH_OPS:
         raise ValueError(f"a batch holds at most {MAX_BATCH_OPS} operations")
     extras: list[bytes] = []
+    shared = _SharedTokens(0)
+    add = shared.add
     entries = []
     for op in ops:
-        if not op.BATCHABLE:
-            raise ValueError(f"{type(op).__name__} cannot be batched")
-        entries.append([int(op.KIND), op.to_map(extras)])
-    body = msgpack.packb({"id": req_id, "ops": entries}, use_bin_type=True)
-    return [bytes((Kind.BATCH,)), body, *extras]
+        cls = type(op)
+        if not cls.BATCHABLE:
+            raise ValueError(f"{cls.__name__} cannot be batched")
+        enc = _ENCODERS.get(cls)
+        if enc is None:
+            enc = _ENCODERS[cls] = _compile_encoder(cls)
+        entries.append([int(cls.KIND), enc(op, extras, add)])
+    body = pack({"id": req_id, "ops": entries})
+    if shared.arrays:
+        return [_KIND_BATCH, body, shared.frame_bytes()]
+    return [_KIND_BATCH, body]
 
 
 def decode_reply(frames: Sequence[bytes | memoryview]) -> OkReply | ErrorReply | Notice:
@@ -958,13 +1164,13 @@ def decode_reply(frames: Sequence[bytes | memoryview]) -> OkReply | ErrorReply |
     if type(body) is not dict:
         raise ProtocolError(Code.INVALID, "reply body must be a map")
     kind = frames[0][0]
-    if kind == Kind.OK:
+    if kind == _OK:
         r = body.get("r")
         rid = body.get("id")
         if type(rid) is not int or type(r) is not dict:
             raise ProtocolError(Code.INVALID, "malformed OK reply")
-        return OkReply(rid, r, [bytes(f) for f in frames[2:]])
-    if kind == Kind.ERROR:
+        return OkReply(rid, r, [bytes(f) for f in frames[2:]] if len(frames) > 2 else ())
+    if kind == _ERROR:
         return ErrorReply(_peek_id(body), str(body.get("code")), str(body.get("msg")))
     if kind == Kind.NOTICE:
         data = body.get("data")

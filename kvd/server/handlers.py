@@ -108,6 +108,9 @@ RELOADABLE: Final = frozenset(
 
 #: Kind names for stats, looked up once (Enum.name is a descriptor call).
 _KIND_NAMES: Final = {kind: kind.name for kind in P.Kind}
+# Plain ints: an enum member's attribute lookup costs more than the dict lookup it feeds.
+_HELLO: Final = int(P.Kind.HELLO)
+_BATCH: Final = int(P.Kind.BATCH)
 
 
 class RequestError(Exception):
@@ -177,16 +180,31 @@ def _changed(old: Any, new: Any, prefix: str) -> list[str]:
     ]
 
 
-@dataclass(slots=True)
 class _Ctx:
-    identity: bytes
-    peer: PeerCred | None
-    session: Session | None
-    extras: Sequence[bytes]
-    #: The whole message (kept for a request handled again later).
-    message: Sequence[bytes] = ()
-    #: The CURVE key (z85) of a tcp client (ZAP's User-Id); None on ipc.
-    user_id: str | None = None
+    """One message being handled: who sent it, its session and extra frames."""
+
+    __slots__ = ("engine", "extras", "identity", "message", "peer", "session", "user_id")
+
+    def __init__(
+        self,
+        identity: bytes,
+        peer: PeerCred | None,
+        session: Session | None,
+        extras: Sequence[bytes],
+        *,
+        message: Sequence[bytes] = (),
+        user_id: str | None = None,
+    ) -> None:
+        self.identity = identity
+        self.peer = peer
+        self.session = session
+        self.extras = extras
+        #: The whole message (kept for a request handled again later).
+        self.message = message
+        #: The CURVE key (z85) of a tcp client (ZAP's User-Id); None on ipc.
+        self.user_id = user_id
+        #: The session's pool's engine (set with the session).
+        self.engine: Engine | None = None
 
     @property
     def principal(self) -> Principal:
@@ -200,6 +218,13 @@ _Handler = Callable[[Any, _Ctx], _Outcome]
 
 def _blocks(ids: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int32]]:
     return np.asarray(ids, dtype=np.int32)
+
+
+_NO_BLOCKS: Final = np.empty(0, dtype=np.int32)
+_NO_BLOCKS.flags.writeable = False
+_EMPTY: Final = P.Empty()
+#: Extra frames of a result without token fields (never appended to).
+_NO_FRAMES: Final[list[bytes]] = []
 
 
 class Dispatcher:
@@ -311,25 +336,27 @@ class Dispatcher:
     ) -> tuple[str, int, list[bytes]]:
         """(kind name for stats, operations carried, reply frames)."""
         try:
-            if sum(map(len, frames)) > P.MAX_MESSAGE_BYTES:
+            if len(frames) > 2 and sum(map(len, frames)) > P.MAX_MESSAGE_BYTES:
                 raise P.ProtocolError(
                     P.Code.TOO_LARGE, f"message larger than {P.MAX_MESSAGE_BYTES} bytes"
                 )
             req = P.decode_request(frames)
         except P.ProtocolError as exc:
             return "INVALID", 1, self._error(exc.req_id, exc.code, exc.message)
-        req_id: int = getattr(req, "id", 0)
-        ops = len(req.ops) if isinstance(req, P.Batch) else 1
+        req_id: int = req.id  # type: ignore[attr-defined]
+        kind = req.KIND
+        ops = len(req.ops) if kind == _BATCH else 1  # type: ignore[attr-defined]
         try:
-            ctx = _Ctx(identity, peer, None, frames[2:], frames, user_id)
-            if not req.ADMIN and req.KIND != P.Kind.HELLO:
-                ctx.session = self.sessions.lookup(identity)
-                if ctx.session is None:
+            ctx = _Ctx(identity, peer, None, frames[2:], message=frames, user_id=user_id)
+            if not req.ADMIN and kind != _HELLO:
+                session = ctx.session = self.sessions.lookup(identity)
+                if session is None:
                     raise RequestError(
                         P.Code.SESSION_LOST,
                         "no session for this connection (daemon restarted, lease expired, "
                         "or no hello); old sequences are gone: send hello again",
                     )
+                ctx.engine = self.pools[session.pool].engine
             if self.limiter is not None:
                 denial = self.limiter.check(
                     ctx.session.id if ctx.session is not None else None, self.clock()
@@ -337,21 +364,21 @@ class Dispatcher:
                 if denial is not None:
                     raise RequestError(denial.code, denial.message)
             if req.ADMIN and self.policy.admins:
-                denial = self.policy.check_admin(ctx.principal, req.KIND)
+                denial = self.policy.check_admin(ctx.principal, kind)
                 if denial is not None:
                     raise RequestError(denial.code, denial.message)
             outcome = self._run(req, ctx)
         except _Deferred:
-            return _KIND_NAMES[req.KIND], ops, []
+            return _KIND_NAMES[kind], ops, []
         except RequestError as exc:
-            return _KIND_NAMES[req.KIND], ops, self._error(req_id, exc.code, exc.message)
+            return _KIND_NAMES[kind], ops, self._error(req_id, exc.code, exc.message)
         if isinstance(outcome, Refusal):
             return (
-                _KIND_NAMES[req.KIND],
+                _KIND_NAMES[kind],
                 ops,
                 self._error(req_id, P.Code(outcome.code), outcome.message),
             )
-        return _KIND_NAMES[req.KIND], ops, P.encode_ok(req_id, outcome)
+        return _KIND_NAMES[kind], ops, P.encode_ok(req_id, outcome)
 
     def _run(self, req: P.Request, ctx: _Ctx) -> _Outcome:
         """One request (or batch op) through its handler; errors become RequestError."""
@@ -394,10 +421,6 @@ class Dispatcher:
 
     # ------------------------------------------------------------------
     # Sessions
-
-    def _pool_of(self, session: Session | None) -> PoolRuntime:
-        assert session is not None  # guaranteed by handle() for non-admin kinds
-        return self.pools[session.pool]
 
     def close_session(self, session: Session, reason: str) -> None:
         """Close ``session`` in its engine (sequences freed, cached blocks kept) and forget it.
@@ -644,11 +667,10 @@ class Dispatcher:
             raise RequestError(denial.code, denial.message)
 
     def _allocate(self, req: P.Allocate, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        self._check_size(req, self._pool_of(ctx.session).engine, ctx.session.id)
-        r = self._pool_of(ctx.session).engine.allocate(
-            ctx.session.id, req.seq, req.tokens, reserve=req.reserve
-        )
+        engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
+        assert engine is not None
+        self._check_size(req, engine, sid)
+        r = engine.allocate(sid, req.seq, req.tokens, reserve=req.reserve)
         if isinstance(r, Refusal):
             return r
         return P.AllocateResult(
@@ -656,64 +678,67 @@ class Dispatcher:
         )
 
     def _commit(self, req: P.Commit, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        c = self._pool_of(ctx.session).engine.commit(ctx.session.id, req.seq, req.n)
+        assert ctx.engine is not None and ctx.session is not None
+        c = ctx.engine.commit(ctx.session.id, req.seq, req.n)
         return P.CommitResult(committed=c.committed, cached_blocks=c.cached_blocks)
 
     def _append(self, req: P.Append, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        if self.limits.max_tokens:
-            self._check_size(req, None, ctx.session.id)
-        a = self._pool_of(ctx.session).engine.append(ctx.session.id, req.seq, req.tokens)
+        engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
+        assert engine is not None
+        if self.limits.max_tokens and len(req.tokens) > self.limits.max_tokens:
+            self._check_size(req, None, sid)
+        a = engine.append(sid, req.seq, req.tokens)
         if isinstance(a, Refusal):
             return a
-        flat = [b for pair in a.copies for b in pair]
+        copies = a.copies
         return P.AppendResult(
-            start=a.start, blocks=_blocks(a.blocks), copies=_blocks(flat), length=a.length
+            start=a.start,
+            blocks=_blocks(a.blocks) if a.blocks else _NO_BLOCKS,
+            copies=_blocks([b for pair in copies for b in pair]) if copies else _NO_BLOCKS,
+            length=a.length,
         )
 
     def _fork(self, req: P.Fork, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        self._check_size(req, self._pool_of(ctx.session).engine, ctx.session.id)
-        f = self._pool_of(ctx.session).engine.fork(
-            ctx.session.id, req.seq, req.child, reserve=req.reserve
-        )
+        engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
+        assert engine is not None
+        self._check_size(req, engine, sid)
+        f = engine.fork(sid, req.seq, req.child, reserve=req.reserve)
         if isinstance(f, Refusal):
             return f
         return P.ForkResult(table=_blocks(f.table))
 
     def _truncate(self, req: P.Truncate, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        t = self._pool_of(ctx.session).engine.truncate(ctx.session.id, req.seq, req.n)
+        assert ctx.engine is not None and ctx.session is not None
+        t = ctx.engine.truncate(ctx.session.id, req.seq, req.n)
         return P.TruncateResult(length=t.length, num_blocks=t.num_blocks)
 
     def _free(self, req: P.Free, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        self._pool_of(ctx.session).engine.free(ctx.session.id, req.seq)
-        return P.Empty()
+        assert ctx.engine is not None and ctx.session is not None
+        ctx.engine.free(ctx.session.id, req.seq)
+        return _EMPTY
 
     def _pin(self, req: P.Pin, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        p = self._pool_of(ctx.session).engine.pin(ctx.session.id, req.seq, req.n)
+        assert ctx.engine is not None and ctx.session is not None
+        p = ctx.engine.pin(ctx.session.id, req.seq, req.n)
         if isinstance(p, Refusal):
             return p
         return P.PinResult(pin=p.pin_id, blocks=p.blocks)
 
     def _unpin(self, req: P.Unpin, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        self._pool_of(ctx.session).engine.unpin(ctx.session.id, req.pin)
-        return P.Empty()
+        assert ctx.engine is not None and ctx.session is not None
+        ctx.engine.unpin(ctx.session.id, req.pin)
+        return _EMPTY
 
     def _can_allocate(self, req: P.CanAllocate, ctx: _Ctx) -> _Outcome:
-        assert ctx.session is not None
-        ok, available = self._pool_of(ctx.session).engine.can_allocate(
-            ctx.session.id, req.tokens, reserve=req.reserve
-        )
+        assert ctx.engine is not None and ctx.session is not None
+        ok, available = ctx.engine.can_allocate(ctx.session.id, req.tokens, reserve=req.reserve)
         return P.CanAllocateResult(ok=ok, available=available)
 
     def _batch(self, req: P.Batch, ctx: _Ctx) -> _Outcome:
         if len(req.ops) > P.MAX_BATCH_OPS:
             raise RequestError(P.Code.TOO_LARGE, f"more than {P.MAX_BATCH_OPS} operations")
+        # The batch's token frame is decoded once; each op takes a slice of it.
+        ctx.extras = P.TokenFrames(ctx.extras)
         op_result = self._batch_op
         return P.BatchResult(results=[op_result(op, ctx) for op in req.ops])
 
@@ -729,7 +754,7 @@ class Dispatcher:
             self.rpc.error(str(outcome.code))
             return {"ok": False, "code": str(outcome.code), "msg": outcome.message}
         # Results carry no token fields: nothing goes to extra frames.
-        return {"ok": True, "r": outcome.to_map([])}
+        return {"ok": True, "r": outcome.to_map(_NO_FRAMES)}
 
     # ------------------------------------------------------------------
     # Admin

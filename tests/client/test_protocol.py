@@ -151,19 +151,56 @@ def test_tokens_to_bytes_rejects_floats_and_out_of_range() -> None:
         p.tokens_to_bytes([2**31])
 
 
-def test_batch_carries_ops_and_their_token_frames() -> None:
+def test_batch_carries_ops_and_one_shared_token_frame() -> None:
     ops = [
         p.Free(id=0, seq="x"),
         p.Append(id=0, seq="y", tokens=np.arange(3, dtype=np.int32)),
         p.Append(id=0, seq="z", tokens=np.arange(5, dtype=np.int32)),
     ]
-    batch = p.decode_request(p.encode_batch(9, ops))
+    frames = p.encode_batch(9, ops)
+    assert len(frames) == 3
+    batch = p.decode_request(frames)
     assert isinstance(batch, p.Batch)
-    extras = p.encode_batch(9, ops)[2:]
+    extras = p.TokenFrames(frames[2:])
     decoded = [p.decode_batch_op(op, extras) for op in batch.ops]
     assert [type(d) for d in decoded] == [p.Free, p.Append, p.Append]
     assert isinstance(decoded[2], p.Append)
     assert decoded[2].tokens.tolist() == [0, 1, 2, 3, 4]
+    assert batch.ops[2][1]["tokens"] == [0, 3, 8]
+
+
+def test_batch_without_tokens_has_no_extra_frame() -> None:
+    assert len(p.encode_batch(1, [p.Free(id=0, seq="x")])) == 2
+
+
+def test_token_slice_decodes_from_a_plain_frame_list() -> None:
+    frame = np.arange(6, dtype="<i4").tobytes()
+    op = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
+    decoded = p.decode_batch_op(op, [frame])
+    assert isinstance(decoded, p.Append)
+    assert decoded.tokens.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("value", [[0, 3, 2], [0, 0, 7], [1, 0, 1], [0, -1, 2], [0, 1], "0"])
+def test_token_slice_must_lie_in_an_existing_frame(value: object) -> None:
+    body = {"id": 1, "seq": "a", "tokens": value}
+    frame = np.arange(6, dtype="<i4").tobytes()
+    assert _code(_frames(p.Kind.APPEND, body, frame)) == p.Code.INVALID
+
+
+def test_a_negative_token_fails_only_the_slice_holding_it() -> None:
+    extras = p.TokenFrames([np.array([1, 2, -3, 4], dtype="<i4").tobytes()])
+    ok = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 0, 2]}]
+    bad = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
+    assert p.decode_batch_op(ok, extras).tokens.tolist() == [1, 2]  # type: ignore[attr-defined]
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_batch_op(bad, extras)
+    assert info.value.code == p.Code.INVALID
+
+
+def test_batch_refuses_negative_tokens_when_encoding() -> None:
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        p.encode_batch(1, [p.Append(id=0, seq="a", tokens=np.array([-1], dtype=np.int32))])
 
 
 def test_batch_refuses_unbatchable_ops() -> None:

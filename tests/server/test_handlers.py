@@ -231,7 +231,11 @@ def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harn
 
 def test_hello_records_peer_credentials(h: Harness) -> None:
     peer = PeerCred(0, 0, os.getpid())
-    reply = h.send(P.Hello(id=1, version=1, pool="default", name="t", pid=99).encode(), b"A", peer)
+    reply = h.send(
+        P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=99).encode(),
+        b"A",
+        peer,
+    )
     assert isinstance(reply, P.OkReply)
     session = h.d.sessions.peek(b"A")
     assert session is not None
