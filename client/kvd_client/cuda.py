@@ -469,6 +469,18 @@ class CudaPool(PoolMapping):
         self._check_blocks([b])
         return block_view(self._raw, self.layout, b)
 
+    def blocks(self, first: int, count: int) -> torch.Tensor:
+        lay = self.layout
+        if not (first >= 0 and count > 0 and first + count <= lay.num_blocks):
+            raise IndexError(f"no blocks {first}..{first + count - 1} in 0..{lay.num_blocks - 1}")
+        item = lay.itemsize
+        shape = (lay.num_layers, 2, count, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        strides = tuple(s // item for s in lay.blocks_strides())
+        view: torch.Tensor = load_torch().as_strided(
+            _typed(self._raw, lay), shape, strides, lay.offset(0, 0, first) // item
+        )
+        return view
+
     def copy_blocks(
         self, src: Sequence[int], dst: Sequence[int], stream: torch.cuda.Stream | None = None
     ) -> None:

@@ -119,6 +119,19 @@ class PoolLayout:
             return (self.num_blocks * self.slot_bytes, self.slot_bytes, *inner)
         return (self.slot_bytes, self.block_stride, *inner)
 
+    def blocks_strides(self) -> tuple[int, int, int, int, int, int]:
+        """Byte strides of a run view ``[num_layers, 2, count, block_size, heads, head_dim]``.
+
+        The run is blocks ``first..first+count-1``, its element ``[0, 0, 0, 0, 0, 0]``
+        at ``offset(0, 0, first)``. ``layer_major``: the blocks of a run are one
+        contiguous span per layer and K/V; ``block_major``: one span per block.
+        Without the block axis (``count=1``) it is the view of one block.
+        """
+        inner = self.layer_strides()[2:]
+        if self.order == "layer_major":
+            return (self.layer_stride, self.num_blocks * self.slot_bytes, self.slot_bytes, *inner)
+        return (2 * self.slot_bytes, self.slot_bytes, self.block_stride, *inner)
+
     def layer_offset(self, layer: int) -> int:
         """Byte offset of element ``[0, 0, 0, 0, 0]`` of layer ``layer``'s view."""
         return self.offset(layer, 0, 0)

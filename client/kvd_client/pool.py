@@ -11,6 +11,14 @@ Views follow `PoolLayout` exactly (`PoolLayout.layer_offset`,
 client agree on where a block's bytes live. torch is imported only when a
 torch view is asked for.
 
+Writing and reading KV: `PoolMapping.write_block` / `read_block` copy one
+block over all layers, `write_blocks` / `read_blocks` many (a prefill's
+``[num_layers, 2, n, block_size, heads, head_dim]``), from and into torch
+tensors or numpy arrays. Consecutive block ids are coalesced into one copy.
+On a shm pool a CPU source goes through numpy (``np.copyto`` on byte-exact
+views: one C call per run of blocks, also for bfloat16 and float8); device
+tensors and cuda pools take torch's ``copy_``.
+
 dtypes without a numpy equivalent are exposed raw in the numpy views:
 ``bfloat16`` as ``uint16`` and the ``float8`` types as ``uint8`` (same bits;
 the torch views carry the real dtype).
@@ -24,16 +32,17 @@ from __future__ import annotations
 import abc
 import importlib
 import mmap
+import operator
 import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeAlias, Union, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvd_client.errors import InternalError, LayoutMismatch
+from kvd_client.errors import InternalError, InvalidRequest, LayoutMismatch
 from kvd_client.layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -41,8 +50,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "KV",
     "NUMPY_DTYPES",
     "RAW_DTYPES",
+    "BlockIds",
     "PoolMapping",
     "ShmPool",
     "open_pool",
@@ -62,7 +73,16 @@ NUMPY_DTYPES: Final[dict[str, type[np.generic]]] = {
 #: Pool dtypes whose numpy views hold raw bits (no numpy equivalent).
 RAW_DTYPES: Final = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
+#: torch dtype of the same width through which a tensor of a `RAW_DTYPES`
+#: dtype becomes a numpy array (torch cannot hand those to numpy directly).
+_RAW_VIA: Final = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+#: Block ids the write and read methods take: ints, a 1-D integer array or CPU tensor.
+BlockIds: TypeAlias = Union[Sequence[int], npt.NDArray[Any], "torch.Tensor"]
+
 Opener = Callable[[dict[str, Any], PoolLayout], "PoolMapping"]
+#: What the write and read methods take: a torch tensor or a numpy array.
+KV: TypeAlias = Union["torch.Tensor", npt.NDArray[Any]]
 
 #: Backend name (``memory["backend"]``) → function mapping such a handle.
 BACKENDS: dict[str, Opener] = {}
@@ -138,6 +158,129 @@ class PoolMapping(abc.ABC):
         """Block ``b`` over all layers: ``[num_layers, 2, block_size, heads, head_dim]``."""
 
     @abc.abstractmethod
+    def blocks(self, first: int, count: int) -> torch.Tensor:
+        """Blocks ``first..first+count-1``: ``[num_layers, 2, count, block_size, heads, head_dim]``.
+
+        Zero-copy, like `block`. Raises IndexError for a run outside the pool.
+        """
+
+    def write_block(self, block_id: int, src: KV) -> None:
+        """Copy ``src`` ``[num_layers, 2, block_size, heads, head_dim]`` into block ``block_id``.
+
+        ``src`` is a torch tensor of the pool's dtype (any device, any strides)
+        or a numpy array of `NUMPY_DTYPES`' dtype. Raises `InvalidRequest`
+        (nothing written) for an id outside the pool or a wrong shape, dtype
+        or type. On a device pool the copy is queued like any torch copy:
+        `fence` before handing the block on.
+        """
+        self._write([self._block_id(block_id)], self._kv(src, None, "src"))
+
+    def write_blocks(self, block_ids: BlockIds, src: KV) -> None:
+        """Copy ``src[:, :, i]`` into block ``block_ids[i]`` for each i (a prefill's write).
+
+        ``src`` is ``[num_layers, 2, len(block_ids), block_size, heads, head_dim]``
+        (a ``[num_layers, 2, tokens, heads, head_dim]`` tensor of whole blocks
+        reshapes to it for free). Runs of consecutive ids are one copy each.
+        Raises `InvalidRequest` (nothing written) as `write_block` does, and for
+        an id given twice.
+        """
+        ids = self._block_ids(block_ids, unique=True)
+        self._write(ids, self._kv(src, len(ids), "src"))
+
+    def read_block(self, block_id: int, out: KV) -> None:
+        """Copy block ``block_id`` into ``out`` ``[num_layers, 2, block_size, heads, head_dim]``.
+
+        ``out`` as `write_block`'s ``src``, writable. Raises `InvalidRequest`
+        (nothing read) as `write_block` does.
+        """
+        self._read([self._block_id(block_id)], self._kv(out, None, "out"))
+
+    def read_blocks(self, block_ids: BlockIds, out: KV) -> None:
+        """Copy block ``block_ids[i]`` into ``out[:, :, i]`` for each i.
+
+        ``out`` is ``[num_layers, 2, len(block_ids), block_size, heads, head_dim]``.
+        Raises `InvalidRequest` (nothing read) as `write_block` does.
+        """
+        ids = self._block_ids(block_ids, unique=False)
+        self._read(ids, self._kv(out, len(ids), "out"))
+
+    def _write(self, ids: list[int], src: KV) -> None:
+        """Copy ``src[:, :, i]`` into block ``ids[i]`` through torch (checked; 5-D: one block)."""
+        kv = _torch_of(src, self.layout.dtype) if isinstance(src, np.ndarray) else src
+        if kv.dim() == 5:
+            self.block(ids[0]).copy_(kv)
+            return
+        for pos, first, count in _runs(ids):
+            self.blocks(first, count).copy_(kv[:, :, pos : pos + count])
+
+    def _read(self, ids: list[int], out: KV) -> None:
+        """Copy block ``ids[i]`` into ``out[:, :, i]`` through torch (checked; 5-D: one block)."""
+        kv = _torch_of(out, self.layout.dtype) if isinstance(out, np.ndarray) else out
+        if kv.dim() == 5:
+            kv.copy_(self.block(ids[0]))
+            return
+        for pos, first, count in _runs(ids):
+            kv[:, :, pos : pos + count].copy_(self.blocks(first, count))
+
+    def _block_ids(self, block_ids: BlockIds, *, unique: bool) -> list[int]:
+        """``block_ids`` as ints inside the pool; raises `InvalidRequest` otherwise."""
+        if isinstance(block_ids, np.ndarray):
+            if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+                raise InvalidRequest(
+                    f"block ids must be a 1-D integer array, got {block_ids.dtype} "
+                    f"of shape {block_ids.shape}"
+                )
+            block_ids = block_ids.tolist()
+        elif not isinstance(block_ids, Sequence):
+            try:  # a CPU torch tensor of ids, or another array-like
+                arr = np.asarray(block_ids)
+            except (TypeError, ValueError, RuntimeError):
+                raise InvalidRequest(f"block ids must be integers, got {block_ids!r}") from None
+            return self._block_ids(arr, unique=unique)
+        ids = [self._block_id(b) for b in block_ids]
+        if unique and len(set(ids)) != len(ids):
+            raise InvalidRequest(f"a block id is given twice: {ids}")
+        return ids
+
+    def _block_id(self, block_id: int) -> int:
+        """``block_id`` as an int inside the pool; raises `InvalidRequest` otherwise."""
+        try:
+            b = operator.index(block_id)
+        except TypeError:
+            raise InvalidRequest(f"a block id must be an integer, got {block_id!r}") from None
+        if not 0 <= b < self.layout.num_blocks:
+            raise InvalidRequest(f"block id {b} outside the pool's 0..{self.layout.num_blocks - 1}")
+        return b
+
+    def _kv(self, kv: object, count: int | None, what: str) -> KV:
+        """``kv`` checked against the layout: ``[L, 2, count, ...]``, no block axis for None.
+
+        Raises `InvalidRequest` for another type, shape or dtype, or a
+        read-only numpy ``out``.
+        """
+        lay = self.layout
+        inner = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (lay.num_layers, 2, *inner) if count is None else (lay.num_layers, 2, count, *inner)
+        if isinstance(kv, np.ndarray):
+            found: tuple[int, ...] = kv.shape
+            dtype, expected = kv.dtype, np.dtype(NUMPY_DTYPES[lay.dtype])
+            if what == "out" and not kv.flags.writeable:
+                raise InvalidRequest("out is a read-only array")
+        else:
+            import torch  # noqa: PLC0415 - optional dependency, needed only for tensors
+
+            if not isinstance(kv, torch.Tensor):
+                raise InvalidRequest(
+                    f"{what} must be a torch tensor or a numpy array, got {type(kv).__name__}"
+                )
+            found, dtype, expected = tuple(kv.shape), kv.dtype, getattr(torch, lay.dtype)
+        if found != shape:
+            raise InvalidRequest(f"{what} has shape {found}, the pool's blocks need {shape}")
+        if dtype != expected:
+            raise InvalidRequest(f"{what} holds {dtype}, the pool holds {expected}")
+        return kv
+
+    @abc.abstractmethod
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy block ``src[i]`` to ``dst[i]`` in every layer, K and V (copy-on-write)."""
 
@@ -178,18 +321,29 @@ class ShmPool(PoolMapping):
         self._base = base
         self._dtype = np.dtype(NUMPY_DTYPES[layout.dtype])
         self._np_layers: list[npt.NDArray[Any]] = []
-        n, slot = layout.num_blocks, layout.slot_bytes
-        if layout.order == "layer_major":
-            slot_strides = (layout.layer_stride, n * slot, slot, 1)
-        else:
-            slot_strides = (2 * slot, slot, layout.block_stride, 1)
-        #: Raw bytes ``[num_layers, 2, num_blocks, slot_bytes]``: the copy-on-write view.
-        self._slots: npt.NDArray[np.uint8] = np.ndarray(
-            (layout.num_layers, 2, n, slot),
-            dtype=np.uint8,
+        #: Every block: ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``.
+        #: Block and run views are slices of it (a fresh ``np.ndarray`` on the
+        #: mmap costs microseconds, a slice a fraction of one).
+        self._all: npt.NDArray[Any] = np.ndarray(
+            (
+                layout.num_layers,
+                2,
+                layout.num_blocks,
+                layout.block_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
+            dtype=self._dtype,
             buffer=mapping,
             offset=base,
-            strides=slot_strides,
+            strides=layout.blocks_strides(),
+        )
+        self._block_shape = (
+            layout.num_layers,
+            2,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
         )
 
     @classmethod
@@ -267,25 +421,113 @@ class ShmPool(PoolMapping):
 
     def np_block(self, b: int) -> npt.NDArray[Any]:
         """Block ``b`` as a numpy view ``[num_layers, 2, block_size, heads, head_dim]``."""
-        lay = self.layout
-        strides = lay.layer_strides()
-        if lay.order == "layer_major":
-            outer = (lay.layer_stride, strides[0])
-        else:
-            outer = (2 * lay.slot_bytes, lay.slot_bytes)
-        return np.ndarray(
-            (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim),
-            dtype=self._dtype,
-            buffer=self._mmap,
-            offset=self._base + lay.offset(0, 0, b),
-            strides=(*outer, *strides[2:]),
-        )
+        if not 0 <= b < self.layout.num_blocks:
+            raise IndexError(f"no block {b} in 0..{self.layout.num_blocks - 1}")
+        return self._all[:, :, b]
+
+    def np_blocks(self, first: int, count: int) -> npt.NDArray[Any]:
+        """Blocks ``first..first+count-1`` as a numpy view (shape as `blocks`)."""
+        n = self.layout.num_blocks
+        if not (first >= 0 and count > 0 and first + count <= n):
+            raise IndexError(f"no blocks {first}..{first + count - 1} in 0..{n - 1}")
+        return self._all[:, :, first : first + count]
 
     def layer(self, i: int) -> torch.Tensor:
-        return self._torch(self.np_layer(i))
+        return _torch_of(self.np_layer(i), self.layout.dtype)
 
     def block(self, b: int) -> torch.Tensor:
-        return self._torch(self.np_block(b))
+        return _torch_of(self.np_block(b), self.layout.dtype)
+
+    def blocks(self, first: int, count: int) -> torch.Tensor:
+        return _torch_of(self.np_blocks(first, count), self.layout.dtype)
+
+    # The write and read methods try a lean path first: after a 2 MiB copy has
+    # flushed the caches each call here costs several times what it costs hot,
+    # and torch's are the dearest. Anything unusual (a device tensor, autograd,
+    # a wrong id, shape or dtype) takes the checked path, which raises or copies.
+
+    def write_block(self, block_id: int, src: KV) -> None:
+        arr = self._array(src, self._block_shape)
+        if arr is None or type(block_id) is not int or not 0 <= block_id < self.layout.num_blocks:
+            super().write_block(block_id, src)
+        else:
+            np.copyto(self._all[:, :, block_id], arr)
+
+    def read_block(self, block_id: int, out: KV) -> None:
+        arr = self._array(out, self._block_shape)
+        if (
+            arr is None
+            or not arr.flags.writeable
+            or type(block_id) is not int
+            or not 0 <= block_id < self.layout.num_blocks
+        ):
+            super().read_block(block_id, out)
+        else:
+            np.copyto(arr, self._all[:, :, block_id])
+
+    def write_blocks(self, block_ids: BlockIds, src: KV) -> None:
+        ids = self._block_ids(block_ids, unique=True)
+        arr = self._array(src, (*self._block_shape[:2], len(ids), *self._block_shape[2:]))
+        if arr is None:
+            super().write_blocks(ids, src)
+        else:
+            self._write(ids, arr)
+
+    def read_blocks(self, block_ids: BlockIds, out: KV) -> None:
+        ids = self._block_ids(block_ids, unique=False)
+        arr = self._array(out, (*self._block_shape[:2], len(ids), *self._block_shape[2:]))
+        if arr is None or not arr.flags.writeable:
+            super().read_blocks(ids, out)
+        else:
+            self._read(ids, arr)
+
+    def _array(self, kv: object, shape: tuple[int, ...]) -> npt.NDArray[Any] | None:
+        """``kv`` as an array of the pool's dtype and ``shape`` on its memory, or None."""
+        if type(kv) is not np.ndarray:
+            try:
+                kv = _numpy_of(cast("torch.Tensor", kv), self.layout.dtype)
+            except (AttributeError, TypeError, RuntimeError):
+                return None
+        if kv.shape != shape or kv.dtype != self._dtype:
+            return None
+        return kv
+
+    def _kv(self, kv: object, count: int | None, what: str) -> KV:
+        """Checked ``kv``; a CPU tensor becomes a numpy array of its memory (the fast path).
+
+        Device tensors stay tensors (torch copies them).
+        """
+        if not isinstance(kv, np.ndarray):
+            try:
+                kv = _numpy_of(cast("torch.Tensor", kv), self.layout.dtype)
+            except (AttributeError, TypeError, RuntimeError):
+                # Not a CPU tensor numpy takes as it is (device tensors, autograd,
+                # another dtype or type): the general check says which.
+                checked = super()._kv(kv, count, what)
+                if isinstance(checked, np.ndarray) or checked.device.type != "cpu":
+                    return checked
+                kv = _numpy_of(checked.detach(), self.layout.dtype)
+        return super()._kv(kv, count, what)
+
+    def _write(self, ids: list[int], src: KV) -> None:
+        """Arrays: one ``np.copyto`` per run of blocks; device tensors through torch."""
+        if not isinstance(src, np.ndarray):
+            super()._write(ids, src)
+        elif src.ndim == 5:
+            np.copyto(self._all[:, :, ids[0]], src)
+        else:
+            for pos, first, count in _runs(ids):
+                np.copyto(self._all[:, :, first : first + count], src[:, :, pos : pos + count])
+
+    def _read(self, ids: list[int], out: KV) -> None:
+        """Arrays: one ``np.copyto`` per run of blocks; device tensors through torch."""
+        if not isinstance(out, np.ndarray):
+            super()._read(ids, out)
+        elif out.ndim == 5:
+            np.copyto(out, self._all[:, :, ids[0]])
+        else:
+            for pos, first, count in _runs(ids):
+                np.copyto(out[:, :, pos : pos + count], self._all[:, :, first : first + count])
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if len(src) != len(dst):
@@ -293,22 +535,53 @@ class ShmPool(PoolMapping):
         if not src:
             return
         self._check_blocks(src, dst)
-        slots = self._slots
-        slots[:, :, np.asarray(dst)] = slots[:, :, np.asarray(src)]
+        kv = self._all
+        kv[:, :, np.asarray(dst)] = kv[:, :, np.asarray(src)]
 
     def fence(self) -> None:
         """Nothing to wait for: CPU writes through the mapping are done when they return."""
 
-    def _torch(self, arr: npt.NDArray[Any]) -> torch.Tensor:
-        import torch  # noqa: PLC0415 - optional dependency, imported on first torch view
 
-        if self.layout.dtype == "bfloat16":
-            # torch's uint16 supports few ops; int16 has the same bits and views to bf16.
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        tensor = torch.from_numpy(arr)
-        if self.layout.dtype in RAW_DTYPES:
-            return tensor.view(getattr(torch, self.layout.dtype))
-        return tensor
+def _torch_of(arr: npt.NDArray[Any], dtype: str) -> torch.Tensor:
+    """A numpy array of `NUMPY_DTYPES`' dtype as a tensor of the pool ``dtype`` (same memory)."""
+    import torch  # noqa: PLC0415 - optional dependency, imported on first torch view
+
+    if dtype == "bfloat16":
+        # torch's uint16 supports few ops; int16 has the same bits and views to bf16.
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    tensor = torch.from_numpy(arr)
+    if dtype in RAW_DTYPES:
+        return tensor.view(getattr(torch, dtype))
+    return tensor
+
+
+def _numpy_of(tensor: torch.Tensor, dtype: str) -> npt.NDArray[Any]:
+    """A CPU tensor of the pool ``dtype`` as a numpy array of `NUMPY_DTYPES`' dtype (same bits).
+
+    Raises TypeError for a tensor of a `RAW_DTYPES` dtype other than ``dtype``,
+    and whatever ``Tensor.numpy`` raises (TypeError off the CPU or for dtypes
+    numpy lacks, RuntimeError when autograd tracks the tensor). Other dtypes
+    come back as numpy has them: the caller checks.
+    """
+    via = _RAW_VIA.get(dtype)
+    if via is None:
+        return tensor.numpy()
+    import torch  # noqa: PLC0415 - a tensor was given: torch is there
+
+    if tensor.dtype != getattr(torch, dtype):
+        raise TypeError(f"a {tensor.dtype} tensor for a {dtype} pool")
+    return tensor.view(getattr(torch, via)).numpy().view(NUMPY_DTYPES[dtype])
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first id, count)`` of each run of consecutive ids, in order."""
+    runs = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
 
 
 register_backend(ShmPool.BACKEND, ShmPool.open)

@@ -71,6 +71,19 @@ def test_layer_strides_address_the_same_bytes_as_offset(order: str) -> None:
     assert s_tok == layout.num_kv_heads * s_head
 
 
+@pytest.mark.parametrize("order", ["layer_major", "block_major"])
+def test_blocks_strides_address_the_same_bytes_as_offset(order: str) -> None:
+    layout = _layout(order=order)
+    s_layer, s_kv, s_block, *inner = layout.blocks_strides()
+    first = layout.offset(0, 0, 1)
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):
+            for block in range(1, layout.num_blocks):
+                at = first + layer * s_layer + kv * s_kv + (block - 1) * s_block
+                assert at == layout.offset(layer, kv, block)
+    assert tuple(inner) == layout.layer_strides()[2:]
+
+
 def test_dict_round_trip() -> None:
     layout = _layout(order="block_major", dtype="bfloat16")
     assert PoolLayout.from_dict(layout.to_dict()) == layout

@@ -70,6 +70,26 @@ def _serve(conn: mpc.Connection) -> None:
         view = pools[name].layers()[layer][kv, block].float()
         return [float(view.min()), float(view.max())]
 
+    def kv_of(pool: CudaPool, values: list[float], device: str) -> torch.Tensor:
+        """``[L, 2, len(values), block_size, heads, head_dim]``, block i all ``values[i]``."""
+        lay = pool.layout
+        shape = (lay.num_layers, 2, 1, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        dtype = getattr(torch, lay.dtype)
+        blocks = [torch.full(shape, v, dtype=dtype, device=device) for v in values]
+        return torch.cat(blocks, dim=2)
+
+    def write_blocks(name: str, ids: list[int], values: list[float], device: str) -> None:
+        pool = pools[name]
+        pool.write_blocks(ids, kv_of(pool, values, device))
+        pool.fence()
+
+    def read_blocks(name: str, ids: list[int], device: str) -> list[list[float]]:
+        pool = pools[name]
+        out = kv_of(pool, [0.0] * len(ids), device)
+        pool.read_blocks(ids, out)
+        pool.fence()
+        return [[float(out[:, :, i].min()), float(out[:, :, i].max())] for i in range(len(ids))]
+
     def copy(name: str, pairs: list[list[int]]) -> None:
         pool = pools[name]
         side = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
@@ -158,6 +178,8 @@ def _serve(conn: mpc.Connection) -> None:
         "fill_block": fill_block,
         "slot": slot,
         "copy": copy,
+        "write_blocks": write_blocks,
+        "read_blocks": read_blocks,
         "drop": drop,
         "env": env,
         "connect": connect,

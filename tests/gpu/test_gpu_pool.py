@@ -126,6 +126,19 @@ def test_copy_on_write_lands_for_the_other_client(mapped: tuple[Worker, Worker])
     assert b.call("slot", "gpu-test", 0, 0, 101) == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_write_blocks_lands_for_the_other_client(
+    mapped: tuple[Worker, Worker], device: str
+) -> None:
+    a, b = mapped
+    ids = [200, 201, 202, 150]  # a run of three, then one more
+    a.call("write_blocks", "gpu-test", ids, [1.5, 2.5, 3.5, 4.5], device)
+    assert b.call("slot", "gpu-test", 0, 0, 200) == [1.5, 1.5]
+    assert b.call("slot", "gpu-test", 3, 1, 202) == [3.5, 3.5]
+    assert b.call("slot", "gpu-test", 2, 1, 150) == [4.5, 4.5]
+    assert b.call("read_blocks", "gpu-test", [150, 201], device) == [[4.5, 4.5], [2.5, 2.5]]
+
+
 def test_a_process_opens_a_handle_once(pool: cuda.CudaPool, mapped: tuple[Worker, Worker]) -> None:
     assert mapped[0].call("reopen", "gpu-test", wire(pool), LAYOUT.to_dict())
 
