@@ -1,28 +1,33 @@
-"""A client writing one block's KV into the pool through its torch view, beside np.copyto.
+"""A client writing (and reading) one block's KV through the pool API, beside np.copyto.
 
 A daemon (``python -m kvd.cli`` on a temporary ipc:// socket) serves a shm pool with
 Llama-3-8B's KV geometry (32 layers, 8 KV heads, head_dim 128, float16, 16 tokens per
 block: 2 MiB per block over all layers). This process connects with the blocking
-``kvd_client.Client``, allocates a sequence and writes the KV of one of its blocks
-from a private source tensor, the way an inference process does:
+``kvd_client.Client``, allocates a sequence and moves the KV of its blocks between
+private torch tensors and the pool, the way an inference process does, through the
+public API of ``kv.pool`` (``PoolMapping.write_block`` and friends):
 
-- ``layer_major`` (the default order): ``pool.block(b).copy_(kv)``, one strided write
-  through the block's zero-copy view (64 runs of 32 KiB); per layer,
-  ``layer[:, b].copy_(kv[l])`` on the torch view of the layer (K and V, 64 KiB), 32
-  writes per block, what a per-layer kernel does; and, for context,
-  a prefill's form: per layer one indexed write of all 16 blocks,
-  ``layer[:, table] = kv[l]``;
-- ``block_major``: the block is one contiguous span: ``pool.block(b).copy_(kv)``; and,
-  for context, the same write through the numpy view (``np.copyto(pool.np_block(b),
-  kv)``), which separates the pool's memory from torch's copy kernel.
+- ``pool.write_block(b, kv)``: one block's KV ``[32, 2, 16, 8, 128]`` from a torch
+  tensor (the headline row); ``pool.read_block(b, out)``: the same bytes back;
+- ``pool.write_blocks(table, kv)``: a prefill's 16 blocks ``[32, 2, 16, 16, 8, 128]``
+  (32 MiB) in one call, the block table as allocated (consecutive ids, coalesced into
+  one copy) and reversed (no two ids consecutive: one copy per block).
 
-The anchor, in the same process and run: ``np.copyto`` of the same 2 MiB between two
-private numpy arrays. Both sides rotate over 16 destinations (32 MiB, more than the
-last-level cache) and run warm (every destination written once before timing: the
-pool's pages are the daemon's, prefaulted, but each process maps them on first
-touch). Figures: GB/s of KV written, the median of ``--repeat`` timed passes, each
-pass writing every destination ``--passes`` times; loops alternate. Target: the pool
-write >= 0.9x the memcpy.
+For context, the torch views the API replaces: ``pool.block(b).copy_(kv)`` (one
+strided write, torch's CPU copy kernel), per layer ``layer[:, b].copy_(kv[l])`` (32
+writes per block, what a per-layer kernel does) and ``layer[:, table] = kv[l]`` (a
+prefill's indexed write per layer) in ``layer_major``; and ``np.copyto`` on the
+block's numpy view in ``block_major``.
+
+Anchors, in the same process and run, ``np.copyto`` between private numpy arrays of
+the same bytes: one block's 2 MiB into (written rows) or out of (read row) one of 16
+rotating arrays, and the 32 MiB of a prefill into one array (prefill rows: their
+source, too, is 32 MiB). Single-block rows rotate over 16 pool blocks (32 MiB, more
+than the last-level cache). Everything runs warm (each destination written once
+before timing: the pool's pages are the daemon's, prefaulted, but each process maps
+them on first touch). Figures: GB/s of KV moved, the median of ``--repeat`` timed
+passes, each pass moving every block ``--passes`` times; loops alternate. Target:
+>= 0.9x the anchor.
 
 Run: ``.venv/bin/python -m bench.dataplane [--repeat 15] [--json]``.
 """
@@ -46,17 +51,23 @@ TARGET = 0.9
 LAYOUT = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
 ROTATE = 16
 BLOCK_SIZE = 16
+#: Anchor names, and which rows each one stands beside.
+BLOCK_IN, BLOCK_OUT, PREFILL = (
+    "np.copyto, same 2 MiB",
+    "np.copyto out, same 2 MiB",
+    "np.copyto, same 32 MiB",
+)
 
 
 def rate(loop: Callable[[], int]) -> float:
-    """GB/s of one run of ``loop``, which returns the bytes it wrote."""
+    """GB/s of one run of ``loop``, which returns the bytes it moved."""
     t0 = time.perf_counter()
-    written = loop()
-    return written / (time.perf_counter() - t0) / 1e9
+    moved = loop()
+    return moved / (time.perf_counter() - t0) / 1e9
 
 
 def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
-    """Time one pool order's writes beside the memcpy, on a fresh daemon."""
+    """Time one pool order's copies beside the memcpy anchors, on a fresh daemon."""
     settings: dict[str, object] = {**LAYOUT, "num_blocks": ROTATE + 1, "order": order}
     with (
         run_daemon(settings) as daemon,
@@ -64,92 +75,160 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
     ):
         seq = kv.allocate("dp", np.arange(ROTATE * BLOCK_SIZE, dtype=np.int32))
         blocks = [int(b) for b in seq.block_table]
+        scattered = blocks[::-1]
         table = torch.tensor(blocks)
         pool = kv.pool
         layers = pool.layers()
         src = torch.randn(len(layers), 2, BLOCK_SIZE, 8, 128).to(torch.float16)
+        out = torch.empty_like(src)
         per_block = src.numel() * src.element_size()
         # The same KV for every block, laid out as a prefill's [layer, kv, block, ...].
         prefill = src.unsqueeze(2).expand(-1, -1, len(blocks), -1, -1, -1).contiguous()
         src_np = src.numpy().reshape(-1)
-        dst_np = [np.empty_like(src_np) for _ in range(ROTATE)]
+        private = [np.empty_like(src_np) for _ in range(ROTATE)]
+        for arr in private:
+            arr[:] = src_np
+        out_np = np.empty_like(src_np)
+        prefill_np = prefill.numpy().reshape(-1)
+        prefill_dst = np.empty_like(prefill_np)
         views = [pool.block(b) for b in blocks]
         np_views = [pool.np_block(b) for b in blocks]
         src_block = src.numpy()
         total = passes * len(blocks) * per_block
 
-        def one_block_per_layer() -> int:
+        def write_block() -> int:
+            for _ in range(passes):
+                for b in blocks:
+                    pool.write_block(b, src)
+            return total
+
+        def read_block() -> int:
+            for _ in range(passes):
+                for b in blocks:
+                    pool.read_block(b, out)
+            return total
+
+        def write_blocks() -> int:
+            for _ in range(passes):
+                pool.write_blocks(blocks, prefill)
+            return total
+
+        def write_scattered() -> int:
+            for _ in range(passes):
+                pool.write_blocks(scattered, prefill)
+            return total
+
+        def torch_view() -> int:
+            for _ in range(passes):
+                for view in views:
+                    view.copy_(src)
+            return total
+
+        def torch_per_layer() -> int:
             for _ in range(passes):
                 for b in blocks:
                     for layer, kv_l in zip(layers, src, strict=True):
                         layer[:, b].copy_(kv_l)
             return total
 
-        def all_blocks_per_layer() -> int:
+        def torch_indexed() -> int:
             for _ in range(passes):
                 for layer, kv_l in zip(layers, prefill, strict=True):
                     layer[:, table] = kv_l
             return total
 
-        def one_block() -> int:
-            for _ in range(passes):
-                for view in views:
-                    view.copy_(src)
-            return total
-
-        def one_block_numpy() -> int:
+        def numpy_view() -> int:
             for _ in range(passes):
                 for view in np_views:
                     np.copyto(view, src_block)
             return total
 
-        def memcpy() -> int:
+        def memcpy_in() -> int:
             for _ in range(passes):
-                for dst in dst_np:
+                for dst in private:
                     np.copyto(dst, src_np)
             return total
 
-        cases: dict[str, Callable[[], int]]
+        def memcpy_out() -> int:
+            for _ in range(passes):
+                for arr in private:
+                    np.copyto(out_np, arr)
+            return total
+
+        def memcpy_prefill() -> int:
+            for _ in range(passes):
+                np.copyto(prefill_dst, prefill_np)
+            return total
+
+        # name -> (loop, anchor name)
+        cases: dict[str, tuple[Callable[[], int], str]] = {
+            "client writes one block's KV: pool.write_block(b, kv)": (write_block, BLOCK_IN),
+            "client reads one block's KV: pool.read_block(b, out)": (read_block, BLOCK_OUT),
+            f"prefill: pool.write_blocks({len(blocks)} consecutive ids, kv)": (
+                write_blocks,
+                PREFILL,
+            ),
+            f"prefill: pool.write_blocks({len(blocks)} scattered ids, kv)": (
+                write_scattered,
+                PREFILL,
+            ),
+            "context: torch view, pool.block(b).copy_(kv)": (torch_view, BLOCK_IN),
+        }
         if order == "layer_major":
-            cases = {
-                "one block, one write through pool.block(b)": one_block,
-                f"one block, {len(layers)} layer writes": one_block_per_layer,
-                f"{len(blocks)} blocks per layer write": all_blocks_per_layer,
-            }
+            cases[f"context: torch view, {len(layers)} layer writes per block"] = (
+                torch_per_layer,
+                BLOCK_IN,
+            )
+            cases[f"context: torch view, {len(blocks)} blocks per layer write"] = (
+                torch_indexed,
+                PREFILL,
+            )
         else:
-            cases = {
-                "one block, one write": one_block,
-                "one block, numpy view (context)": one_block_numpy,
-            }
-        rates: dict[str, list[float]] = {name: [] for name in (*cases, "memcpy")}
-        for name, write in cases.items():
-            write()  # map the pool's pages into this process
-            if not all(torch.equal(pool.block(b), src) for b in blocks):
-                raise RuntimeError(f"{name}: the pool does not hold what was written")
-        memcpy()
+            cases["context: numpy view, np.copyto(pool.np_block(b), kv)"] = (numpy_view, BLOCK_IN)
+        anchors: dict[str, Callable[[], int]] = {
+            BLOCK_IN: memcpy_in,
+            BLOCK_OUT: memcpy_out,
+            PREFILL: memcpy_prefill,
+        }
+        for name, (loop, _) in cases.items():
+            reads = loop is read_block
+            if reads:
+                out.zero_()
+            else:
+                for b in blocks:
+                    pool.np_block(b)[...] = 0
+            loop()  # map the pool's pages into this process
+            if reads:
+                held = torch.equal(out, src)
+            else:
+                held = all(torch.equal(pool.block(b), src) for b in blocks)
+            if not held:
+                raise RuntimeError(f"{name}: the copy does not hold what was written")
+        for anchor in anchors.values():
+            anchor()
+        loops = {name: loop for name, (loop, _) in cases.items()} | anchors
+        rates: dict[str, list[float]] = {name: [] for name in loops}
         for _ in range(repeat):
-            for name, write in cases.items():
-                rates[name].append(rate(write))
-            rates["memcpy"].append(rate(memcpy))
+            for name, loop in loops.items():
+                rates[name].append(rate(loop))
         seq.free()
-    anchor = statistics.median(rates["memcpy"])
     return [
         Figure(
             f"{order}: {name}",
             statistics.median(rates[name]),
             "GB/s",
-            "np.copyto, same bytes",
             anchor,
+            statistics.median(rates[anchor]),
             TARGET,
         )
-        for name in cases
+        for name, (_, anchor) in cases.items()
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=15, help="median of N timed passes")
-    parser.add_argument("--passes", type=int, default=4, help="writes of each block per pass")
+    parser.add_argument("--passes", type=int, default=4, help="copies of each block per pass")
     parser.add_argument("--json", action="store_true", help="also write bench/results/")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -158,7 +237,7 @@ def main() -> None:
         for order in ("layer_major", "block_major")
         for f in run_order(order, args.repeat, args.passes)
     ]
-    print_table(f"data plane: client writes into a shm pool ({machine()})", figures)
+    print_table(f"data plane: a client's KV copies with a shm pool ({machine()})", figures)
     if args.json:
         write_results("dataplane", figures, {"repeat": args.repeat, "passes": args.passes})
 
