@@ -317,10 +317,15 @@ def _check_list(value: Any, name: str) -> list[Any]:
     return value
 
 
+_NO_BLOCKS: Final = np.empty(0, dtype="<i4")
+_NO_BLOCKS.flags.writeable = False
+
+
 def _check_blocks(value: Any, name: str) -> _TokenArray:
     if type(value) is not bytes:
         _fail(name, "int32 bytes", value)
-    return blocks_from_bytes(value)
+    # Most appends get no new block and no copy: one shared empty array.
+    return blocks_from_bytes(value) if value else _NO_BLOCKS
 
 
 _CHECKS: dict[Any, Any] = {

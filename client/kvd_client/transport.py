@@ -38,23 +38,28 @@ CurveTriple = tuple[bytes, bytes, bytes]
 
 # Plain ints: pyzmq's flag enums cost an enum construction per operation.
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
+# The Cython socket's own send and recv: zmq.Socket.send is a Python wrapper
+# (routing ids, groups) around it, and reading RCVMORE through Socket.get
+# builds a SocketOption enum per call (~1 µs); a received Frame carries ``more``.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
 
 
 def _send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> None:
     """``send_multipart`` without its per-frame type checks (every frame is bytes here)."""
-    send = sock.send
     last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        send(frame, _SNDMORE if i < last else 0)
+    for i in range(last):
+        _send(sock, frames[i], _SNDMORE)
+    _send(sock, frames[last], 0)
 
 
 def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """``recv_multipart`` with int flags."""
-    recv = sock.recv
-    parts = [recv()]
-    while sock.get(_RCVMORE):
-        parts.append(recv())
+    """``recv_multipart``, reading each frame's ``more`` flag from the frame itself."""
+    frame = _recv(sock, 0, False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, 0, False)
+        parts.append(frame.bytes)
     return parts
 
 

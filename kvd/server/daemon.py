@@ -11,19 +11,22 @@ pid watch, lease expiry, pressure notices; the signal receiver; the
 systemd watchdog; when enabled, the metrics endpoint and KV events
 publisher) plus one *request thread* that owns the ROUTER socket.
 
-The request thread blocks in ``zmq_poll`` on the socket and an inproc
-wake-up PAIR, then receives, handles and replies to every message readily
-there (up to 64) before polling again; the event loop never touches the
-socket: what it sends (pressure notices, deferred hello replies) goes
-through an outbox the thread sends from when woken. One lock serialises
-the dispatcher and the engines: the request thread holds it per wake-up,
-the loop around each thing it does with them (maintenance, drain checks,
-reload, stats for metrics and the watchdog, runtime-pool creation); an
-engine call never runs in two threads at once. Engine events queue under
-the lock and the loop hands them to the publisher. Why a thread: an
-``anyio.wait_readable`` wake-up costs ~20 µs per request on this machine
-(asyncio's epoll callback, a future, a task step), more than the whole
-handling of a PING; see docs/architecture.md, "Request path".
+The request thread blocks in a plain receive on the socket, handles the
+message and replies. The event loop never touches the socket: it holds its
+own DEALER connected to the ROUTER over inproc (a random routing id), and
+what it sends (pressure notices, deferred hello replies) goes through an
+outbox; a one-frame wake-up on that connection, queued with the requests,
+has the thread send the outbox (``stop`` ends the thread). So the thread
+needs no ``zmq_poll`` over two sockets and no readiness checks: one
+blocking receive per message, as a bare ZeroMQ server does. One lock
+serialises the dispatcher and the engines: the request thread holds it
+per message, the loop around each thing it does with them (maintenance,
+drain checks, reload, stats for metrics and the watchdog, runtime-pool
+creation); an engine call never runs in two threads at once. Engine events
+queue under the lock and the loop hands them to the publisher. Why a
+thread: an ``anyio.wait_readable`` wake-up costs ~20 µs per request on
+this machine (asyncio's epoll callback, a future, a task step), more than
+the whole handling of a PING; see docs/architecture.md, "Request path".
 
 SIGTERM/SIGINT start a graceful drain: requests that start new work
 (hello, allocate, fork, pin, flush) get SHUTTING_DOWN, running sequences
@@ -81,8 +84,6 @@ __all__ = ["Daemon"]
 
 log = structlog.get_logger("kvd.server")
 
-#: Messages handled in a row before yielding to the other tasks (signals, pid watch).
-_FAIR_BATCH = 64
 #: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
 _REFUSE_AT_EXIT = 10_000
 #: How often the loop moves engine events to the publisher's channels (seconds).
@@ -134,7 +135,9 @@ class Daemon:
         self._lock = threading.Lock()
         #: Frames (routing id first) the loop wants sent; the request thread sends them.
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        #: The loop's DEALER to the ROUTER (inproc), and the routing id it has there.
         self._wake: zmq.Socket[bytes] | None = None
+        self._loop_id = b"\xffkvd-loop-" + secrets.token_bytes(16)
         self._thread_error: BaseException | None = None
         #: Engine events by pool, queued under the lock, moved to the channels by the loop.
         self._events: collections.deque[tuple[str, list[Any]]] = collections.deque()
@@ -407,57 +410,60 @@ class Daemon:
 
     async def _serve(self) -> None:
         """Run the request thread until cancelled, then stop it and wait for it."""
-        assert self._ctx is not None
-        endpoint = f"inproc://kvd-wake-{id(self)}"
-        wake_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
-        wake_rx.bind(endpoint)
-        self._wake = self._ctx.socket(zmq.PAIR)
-        self._wake.connect(endpoint)
+        assert self._ctx is not None and self._sock is not None
+        # The loop's own connection to the ROUTER: its wake-ups arrive in the same
+        # queue as requests, so the thread blocks in one receive (no poll).
+        endpoint = f"inproc://kvd-loop-{id(self)}"
+        self._sock.bind(endpoint)
+        wake: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.setsockopt(zmq.SNDHWM, 0)
+        wake.setsockopt(zmq.ROUTING_ID, self._loop_id)
+        wake.connect(endpoint)
+        self._wake = wake
         token = anyio.lowlevel.current_token()
         thread = threading.Thread(
-            target=self._request_thread, args=(wake_rx, token), name="kvd-requests", daemon=True
+            target=self._request_thread, args=(token,), name="kvd-requests", daemon=True
         )
         thread.start()
         try:
             await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
-                self._wake.send(b"stop")
+                wake.send(b"stop")
                 await anyio.to_thread.run_sync(thread.join)
-                self._wake.close(0)
                 self._wake = None
-                wake_rx.close(0)
+                wake.close(0)
             if self._thread_error is not None:
                 raise self._thread_error
 
-    def _request_thread(
-        self, wake: zmq.Socket[bytes], token: anyio.lowlevel.EventLoopToken
-    ) -> None:
-        """Serve the ROUTER socket: blocking poll, then receive, handle, reply.
+    def _request_thread(self, token: anyio.lowlevel.EventLoopToken) -> None:
+        """Serve the ROUTER socket: blocking receive, handle, reply.
 
         The only thread that touches the socket once serving. A bug here stops
         the daemon (the error is raised again by `_serve`).
         """
         try:
-            self._request_loop(wake, token)
+            self._request_loop(token)
         except BaseException as exc:
             self._thread_error = exc
             anyio.from_thread.run_sync(self.stop_now, token=token)
 
-    def _request_loop(self, wake: zmq.Socket[bytes], token: anyio.lowlevel.EventLoopToken) -> None:
+    def _request_loop(self, token: anyio.lowlevel.EventLoopToken) -> None:
         sock = self._sock
         dispatcher = self.dispatcher
         assert sock is not None and dispatcher is not None
         handle = dispatcher.handle
         lock = self._lock
         outbox = self._outbox
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
+        loop_id = self._loop_id
+        # The Cython socket's own send and recv: zmq.Socket.send is a Python wrapper
+        # around it, and Socket.get(RCVMORE) builds a SocketOption enum per call
+        # (~1 µs); a received Frame carries its ``more`` flag.
+        recv, send = zmq.backend.Socket.recv, zmq.backend.Socket.send
         # Plain ints: pyzmq's flag enums cost an enum construction per operation.
         noblock = int(zmq.NOBLOCK)
-        events_opt = int(zmq.EVENTS)
-        pollin = int(zmq.POLLIN)
+        more = int(zmq.SNDMORE)
         # Kinds whose connection's identity matters: HELLO (namespace policy, pid
         # watch) and, once security.admins is set, the admin kinds.
         vetted = {bytes((P.Kind.HELLO,))}
@@ -465,45 +471,44 @@ class Daemon:
             vetted |= {bytes((k,)) for k, cls in P.REQUESTS.items() if cls.ADMIN}
         curve = self._zap is not None
         while True:
-            poller.poll()
-            # EVENTS before each receive: a receive that finds nothing raises
-            # zmq.Again, which costs more than the whole check.
-            while int(wake.get(events_opt)) & pollin:
-                if wake.recv(noblock) == b"stop":
-                    with lock:
+            # Blocking: requests and the loop's wake-ups come through this one queue.
+            ident = frame = recv(sock, 0, False)
+            frames = []
+            while frame.more:
+                frame = recv(sock, 0, False)
+                frames.append(frame.bytes)
+            identity = ident.bytes
+            if not frames:  # a ROUTER always has a frame after the routing id; be safe
+                continue
+            if identity == loop_id:
+                with lock:
+                    if frames[0] == b"stop":
                         self._refuse_queued(sock, dispatcher)
-                    return
-            creations = False
-            with lock:
-                while outbox:
+                        return
+                    while outbox:
+                        with contextlib.suppress(zmq.ZMQError):
+                            sock.send_multipart(outbox.popleft(), noblock)
+                continue
+            peer = user_id = None
+            if frames[0] in vetted:
+                # Kernel credentials of the connection (ipc only); see sessions.py.
+                with contextlib.suppress(zmq.ZMQError):
+                    peer = parse_peer_address(str(ident.get("Peer-Address")))
+                if curve:  # the client's CURVE key, as the ZAP handler answered
                     with contextlib.suppress(zmq.ZMQError):
-                        sock.send_multipart(outbox.popleft(), noblock)
-                # Everything readily there, up to a fair share, before polling again.
-                handled = 0
-                while handled < _FAIR_BATCH and int(sock.get(events_opt)) & pollin:
-                    handled += 1
-                    try:
-                        ident = sock.recv(noblock, copy=False)
-                        frames = sock.recv_multipart(noblock)
-                    except zmq.Again:
-                        break
-                    peer = user_id = None
-                    if frames and frames[0] in vetted:
-                        # Kernel credentials of the connection (ipc only); see sessions.py.
-                        with contextlib.suppress(zmq.ZMQError):
-                            peer = parse_peer_address(str(ident.get("Peer-Address")))
-                        if curve:  # the client's CURVE key, as the ZAP handler answered
-                            with contextlib.suppress(zmq.ZMQError):
-                                user_id = str(ident.get("User-Id")) or None
-                    identity = ident.bytes
-                    reply = handle(identity, frames, peer, user_id)
-                    if reply:
-                        with contextlib.suppress(zmq.ZMQError):
-                            sock.send_multipart([identity, *reply], noblock)
-                    else:
-                        creations = True
-            if creations:  # started by the loop, outside the lock (it may be waiting on it)
+                        user_id = str(ident.get("User-Id")) or None
+            with lock:
+                reply = handle(identity, frames, peer, user_id)
+            if not reply:  # deferred: the loop starts the creation (outside the lock)
                 anyio.from_thread.run_sync(self._start_creations, token=token)
+                continue
+            try:
+                send(sock, identity, noblock | more)
+                for part in reply[:-1]:
+                    send(sock, part, noblock | more)
+                send(sock, reply[-1], noblock)
+            except zmq.ZMQError:
+                pass  # the peer's queue is full or it is gone: the reply is dropped
 
     @staticmethod
     def _refuse_queued(sock: zmq.Socket[bytes], dispatcher: Dispatcher) -> None:
