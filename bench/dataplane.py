@@ -11,7 +11,10 @@ public API of ``kv.pool`` (``PoolMapping.write_block`` and friends):
   tensor (the headline row); ``pool.read_block(b, out)``: the same bytes back;
 - ``pool.write_blocks(table, kv)``: a prefill's 16 blocks ``[32, 2, 16, 16, 8, 128]``
   (32 MiB) in one call, the block table as allocated (consecutive ids, coalesced into
-  one copy) and reversed (no two ids consecutive: one copy per block).
+  one copy) and reversed (no two ids consecutive: one copy per block);
+- ``pool.write_layer(l, ids, kv_l)``, what a model computing layer by layer calls:
+  the prefill's 16 blocks per layer (32 calls), and one block per layer (32 calls of
+  64 KiB per block).
 
 For context, the torch views the API replaces: ``pool.block(b).copy_(kv)`` (one
 strided write, torch's CPU copy kernel), per layer ``layer[:, b].copy_(kv[l])`` (32
@@ -118,6 +121,23 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
                 pool.write_blocks(scattered, prefill)
             return total
 
+        per_layer = list(prefill)  # what a model computes: [2, blocks, ...] per layer
+        per_layer_block = [kv_l.unsqueeze(1) for kv_l in src]  # [2, 1, ...] per layer
+
+        def write_layer_prefill() -> int:
+            for _ in range(passes):
+                for layer, kv_l in enumerate(per_layer):
+                    pool.write_layer(layer, blocks, kv_l)
+            return total
+
+        def write_layer_block() -> int:
+            for _ in range(passes):
+                for b in blocks:
+                    one = [b]
+                    for layer, kv_l in enumerate(per_layer_block):
+                        pool.write_layer(layer, one, kv_l)
+            return total
+
         def torch_view() -> int:
             for _ in range(passes):
                 for view in views:
@@ -171,6 +191,14 @@ def run_order(order: str, repeat: int, passes: int) -> list[Figure]:
             f"prefill: pool.write_blocks({len(blocks)} scattered ids, kv)": (
                 write_scattered,
                 PREFILL,
+            ),
+            f"per layer: {len(layers)} x pool.write_layer(l, {len(blocks)} ids, kv[l])": (
+                write_layer_prefill,
+                PREFILL,
+            ),
+            f"per layer: {len(layers)} x pool.write_layer(l, [b], kv[l]) per block": (
+                write_layer_block,
+                BLOCK_IN,
             ),
             "context: torch view, pool.block(b).copy_(kv)": (torch_view, BLOCK_IN),
         }

@@ -13,11 +13,12 @@ torch view is asked for.
 
 Writing and reading KV: `PoolMapping.write_block` / `read_block` copy one
 block over all layers, `write_blocks` / `read_blocks` many (a prefill's
-``[num_layers, 2, n, block_size, heads, head_dim]``), from and into torch
-tensors or numpy arrays. Consecutive block ids are coalesced into one copy.
-On a shm pool a CPU source goes through numpy (``np.copyto`` on byte-exact
-views: one C call per run of blocks, also for bfloat16 and float8); device
-tensors and cuda pools take torch's ``copy_``.
+``[num_layers, 2, n, block_size, heads, head_dim]``), `write_layer` /
+`read_layer` one layer of many, from and into torch tensors or numpy arrays.
+Consecutive block ids are coalesced into one copy. On a shm pool a CPU
+tensor goes through numpy (``np.copyto`` on views of the same bits, also for
+bfloat16 and float8: one C call per run of blocks, whatever torch's thread
+settings); device tensors and cuda pools take torch's ``copy_``.
 
 dtypes without a numpy equivalent are exposed raw in the numpy views:
 ``bfloat16`` as ``uint16`` and the ``float8`` types as ``uint8`` (same bits;
@@ -76,6 +77,9 @@ RAW_DTYPES: Final = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 #: torch dtype of the same width through which a tensor of a `RAW_DTYPES`
 #: dtype becomes a numpy array (torch cannot hand those to numpy directly).
 _RAW_VIA: Final = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+#: Every layer (the layer selection of `PoolMapping.write_blocks` and friends).
+_ALL: Final = slice(None)
 
 #: Block ids the write and read methods take: ints, a 1-D integer array or CPU tensor.
 BlockIds: TypeAlias = Union[Sequence[int], npt.NDArray[Any], "torch.Tensor"]
@@ -173,7 +177,8 @@ class PoolMapping(abc.ABC):
         or type. On a device pool the copy is queued like any torch copy:
         `fence` before handing the block on.
         """
-        self._write([self._block_id(block_id)], self._kv(src, None, "src"))
+        b = self._block_id(block_id)
+        self._write([b], self._kv(src, self._shape(None), "src")[:, :, None], _ALL)
 
     def write_blocks(self, block_ids: BlockIds, src: KV) -> None:
         """Copy ``src[:, :, i]`` into block ``block_ids[i]`` for each i (a prefill's write).
@@ -185,7 +190,19 @@ class PoolMapping(abc.ABC):
         an id given twice.
         """
         ids = self._block_ids(block_ids, unique=True)
-        self._write(ids, self._kv(src, len(ids), "src"))
+        self._write(ids, self._kv(src, self._shape(len(ids)), "src"), _ALL)
+
+    def write_layer(self, layer: int, block_ids: BlockIds, src: KV) -> None:
+        """Copy ``src[:, i]`` into layer ``layer`` of block ``block_ids[i]`` (K and V).
+
+        ``src`` is ``[2, len(block_ids), block_size, heads, head_dim]``: what a
+        model computes for one layer (``layer(l)[:, block_ids] = src``, without
+        torch's indexed write). Raises `InvalidRequest` as `write_blocks` does,
+        and for a layer outside the pool.
+        """
+        ids = self._block_ids(block_ids, unique=True)
+        i = self._layer(layer)
+        self._write(ids, self._kv(src, self._shape(len(ids), True), "src")[None], slice(i, i + 1))
 
     def read_block(self, block_id: int, out: KV) -> None:
         """Copy block ``block_id`` into ``out`` ``[num_layers, 2, block_size, heads, head_dim]``.
@@ -193,7 +210,8 @@ class PoolMapping(abc.ABC):
         ``out`` as `write_block`'s ``src``, writable. Raises `InvalidRequest`
         (nothing read) as `write_block` does.
         """
-        self._read([self._block_id(block_id)], self._kv(out, None, "out"))
+        b = self._block_id(block_id)
+        self._read([b], self._kv(out, self._shape(None), "out")[:, :, None], _ALL)
 
     def read_blocks(self, block_ids: BlockIds, out: KV) -> None:
         """Copy block ``block_ids[i]`` into ``out[:, :, i]`` for each i.
@@ -202,25 +220,46 @@ class PoolMapping(abc.ABC):
         Raises `InvalidRequest` (nothing read) as `write_block` does.
         """
         ids = self._block_ids(block_ids, unique=False)
-        self._read(ids, self._kv(out, len(ids), "out"))
+        self._read(ids, self._kv(out, self._shape(len(ids)), "out"), _ALL)
 
-    def _write(self, ids: list[int], src: KV) -> None:
-        """Copy ``src[:, :, i]`` into block ``ids[i]`` through torch (checked; 5-D: one block)."""
+    def read_layer(self, layer: int, block_ids: BlockIds, out: KV) -> None:
+        """Copy layer ``layer`` of block ``block_ids[i]`` into ``out[:, i]`` (K and V).
+
+        ``out`` is ``[2, len(block_ids), block_size, heads, head_dim]``. Raises
+        `InvalidRequest` (nothing read) as `write_layer` does.
+        """
+        ids = self._block_ids(block_ids, unique=False)
+        i = self._layer(layer)
+        self._read(ids, self._kv(out, self._shape(len(ids), True), "out")[None], slice(i, i + 1))
+
+    def _write(self, ids: list[int], src: KV, layers: slice) -> None:
+        """Copy ``src[:, :, i]`` into block ``ids[i]`` of ``layers`` through torch (checked)."""
         kv = _torch_of(src, self.layout.dtype) if isinstance(src, np.ndarray) else src
-        if kv.dim() == 5:
-            self.block(ids[0]).copy_(kv)
-            return
         for pos, first, count in _runs(ids):
-            self.blocks(first, count).copy_(kv[:, :, pos : pos + count])
+            self.blocks(first, count)[layers].copy_(kv[:, :, pos : pos + count])
 
-    def _read(self, ids: list[int], out: KV) -> None:
-        """Copy block ``ids[i]`` into ``out[:, :, i]`` through torch (checked; 5-D: one block)."""
+    def _read(self, ids: list[int], out: KV, layers: slice) -> None:
+        """Copy block ``ids[i]`` of ``layers`` into ``out[:, :, i]`` through torch (checked)."""
         kv = _torch_of(out, self.layout.dtype) if isinstance(out, np.ndarray) else out
-        if kv.dim() == 5:
-            kv.copy_(self.block(ids[0]))
-            return
         for pos, first, count in _runs(ids):
-            kv[:, :, pos : pos + count].copy_(self.blocks(first, count))
+            kv[:, :, pos : pos + count].copy_(self.blocks(first, count)[layers])
+
+    def _shape(self, count: int | None, one_layer: bool = False) -> tuple[int, ...]:
+        """Shape of the KV of ``count`` blocks (None: one, no block axis), all or one layer."""
+        lay = self.layout
+        inner = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+        run = inner if count is None else (count, *inner)
+        return (2, *run) if one_layer else (lay.num_layers, 2, *run)
+
+    def _layer(self, layer: int) -> int:
+        """``layer`` as an int inside the pool; raises `InvalidRequest` otherwise."""
+        try:
+            i = operator.index(layer)
+        except TypeError:
+            raise InvalidRequest(f"a layer must be an integer, got {layer!r}") from None
+        if not 0 <= i < self.layout.num_layers:
+            raise InvalidRequest(f"layer {i} outside the pool's 0..{self.layout.num_layers - 1}")
+        return i
 
     def _block_ids(self, block_ids: BlockIds, *, unique: bool) -> list[int]:
         """``block_ids`` as ints inside the pool; raises `InvalidRequest` otherwise."""
@@ -237,7 +276,11 @@ class PoolMapping(abc.ABC):
             except (TypeError, ValueError, RuntimeError):
                 raise InvalidRequest(f"block ids must be integers, got {block_ids!r}") from None
             return self._block_ids(arr, unique=unique)
-        ids = [self._block_id(b) for b in block_ids]
+        n = self.layout.num_blocks
+        if type(block_ids) is list and all(type(b) is int and 0 <= b < n for b in block_ids):
+            ids: list[int] = block_ids  # the common case, checked in one pass
+        else:
+            ids = [self._block_id(b) for b in block_ids]
         if unique and len(set(ids)) != len(ids):
             raise InvalidRequest(f"a block id is given twice: {ids}")
         return ids
@@ -252,18 +295,15 @@ class PoolMapping(abc.ABC):
             raise InvalidRequest(f"block id {b} outside the pool's 0..{self.layout.num_blocks - 1}")
         return b
 
-    def _kv(self, kv: object, count: int | None, what: str) -> KV:
-        """``kv`` checked against the layout: ``[L, 2, count, ...]``, no block axis for None.
+    def _kv(self, kv: object, shape: tuple[int, ...], what: str) -> KV:
+        """``kv`` checked against ``shape`` and the pool's dtype.
 
         Raises `InvalidRequest` for another type, shape or dtype, or a
         read-only numpy ``out``.
         """
-        lay = self.layout
-        inner = (lay.block_size, lay.num_kv_heads, lay.head_dim)
-        shape = (lay.num_layers, 2, *inner) if count is None else (lay.num_layers, 2, count, *inner)
         if isinstance(kv, np.ndarray):
             found: tuple[int, ...] = kv.shape
-            dtype, expected = kv.dtype, np.dtype(NUMPY_DTYPES[lay.dtype])
+            dtype, expected = kv.dtype, np.dtype(NUMPY_DTYPES[self.layout.dtype])
             if what == "out" and not kv.flags.writeable:
                 raise InvalidRequest("out is a read-only array")
         else:
@@ -273,7 +313,7 @@ class PoolMapping(abc.ABC):
                 raise InvalidRequest(
                     f"{what} must be a torch tensor or a numpy array, got {type(kv).__name__}"
                 )
-            found, dtype, expected = tuple(kv.shape), kv.dtype, getattr(torch, lay.dtype)
+            found, dtype, expected = tuple(kv.shape), kv.dtype, getattr(torch, self.layout.dtype)
         if found != shape:
             raise InvalidRequest(f"{what} has shape {found}, the pool's blocks need {shape}")
         if dtype != expected:
@@ -441,93 +481,80 @@ class ShmPool(PoolMapping):
     def blocks(self, first: int, count: int) -> torch.Tensor:
         return _torch_of(self.np_blocks(first, count), self.layout.dtype)
 
-    # The write and read methods try a lean path first: after a 2 MiB copy has
-    # flushed the caches each call here costs several times what it costs hot,
-    # and torch's are the dearest. Anything unusual (a device tensor, autograd,
-    # a wrong id, shape or dtype) takes the checked path, which raises or copies.
+    # After a 2 MiB copy has flushed the caches each Python or torch call here
+    # costs several times what it costs hot (torch's most): arrays of the right
+    # shape and dtype, and CPU tensors made into such arrays by one call, take
+    # a lean path. Anything else (a device tensor, autograd, a wrong id, shape
+    # or dtype) takes the checked one, which raises or copies.
 
     def write_block(self, block_id: int, src: KV) -> None:
-        arr = self._array(src, self._block_shape)
+        arr = self._array(src, self._block_shape, writable=False)
         if arr is None or type(block_id) is not int or not 0 <= block_id < self.layout.num_blocks:
             super().write_block(block_id, src)
         else:
             np.copyto(self._all[:, :, block_id], arr)
 
     def read_block(self, block_id: int, out: KV) -> None:
-        arr = self._array(out, self._block_shape)
-        if (
-            arr is None
-            or not arr.flags.writeable
-            or type(block_id) is not int
-            or not 0 <= block_id < self.layout.num_blocks
-        ):
+        arr = self._array(out, self._block_shape, writable=True)
+        if arr is None or type(block_id) is not int or not 0 <= block_id < self.layout.num_blocks:
             super().read_block(block_id, out)
         else:
             np.copyto(arr, self._all[:, :, block_id])
 
-    def write_blocks(self, block_ids: BlockIds, src: KV) -> None:
+    def write_layer(self, layer: int, block_ids: BlockIds, src: KV) -> None:
         ids = self._block_ids(block_ids, unique=True)
-        arr = self._array(src, (*self._block_shape[:2], len(ids), *self._block_shape[2:]))
-        if arr is None:
-            super().write_blocks(ids, src)
-        else:
-            self._write(ids, arr)
+        arr = self._array(src, self._shape(len(ids), True), writable=False)
+        if arr is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
+            super().write_layer(layer, ids, src)
+            return
+        for pos, first, count in _runs(ids):
+            np.copyto(self._all[layer, :, first : first + count], arr[:, pos : pos + count])
 
-    def read_blocks(self, block_ids: BlockIds, out: KV) -> None:
+    def read_layer(self, layer: int, block_ids: BlockIds, out: KV) -> None:
         ids = self._block_ids(block_ids, unique=False)
-        arr = self._array(out, (*self._block_shape[:2], len(ids), *self._block_shape[2:]))
-        if arr is None or not arr.flags.writeable:
-            super().read_blocks(ids, out)
-        else:
-            self._read(ids, arr)
+        arr = self._array(out, self._shape(len(ids), True), writable=True)
+        if arr is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
+            super().read_layer(layer, ids, out)
+            return
+        for pos, first, count in _runs(ids):
+            np.copyto(arr[:, pos : pos + count], self._all[layer, :, first : first + count])
 
-    def _array(self, kv: object, shape: tuple[int, ...]) -> npt.NDArray[Any] | None:
+    def _array(self, kv: object, shape: tuple[int, ...], writable: bool) -> npt.NDArray[Any] | None:
         """``kv`` as an array of the pool's dtype and ``shape`` on its memory, or None."""
         if type(kv) is not np.ndarray:
             try:
                 kv = _numpy_of(cast("torch.Tensor", kv), self.layout.dtype)
             except (AttributeError, TypeError, RuntimeError):
                 return None
-        if kv.shape != shape or kv.dtype != self._dtype:
+        if kv.shape != shape or kv.dtype != self._dtype or (writable and not kv.flags.writeable):
             return None
         return kv
 
-    def _kv(self, kv: object, count: int | None, what: str) -> KV:
-        """Checked ``kv``; a CPU tensor becomes a numpy array of its memory (the fast path).
+    def _kv(self, kv: object, shape: tuple[int, ...], what: str) -> KV:
+        """Checked ``kv``; a CPU tensor becomes a numpy array of its memory (device ones stay)."""
+        arr = self._array(kv, shape, writable=what == "out")
+        if arr is not None:
+            return arr
+        checked = super()._kv(kv, shape, what)  # raises for anything but tensors and arrays
+        if isinstance(checked, np.ndarray) or checked.device.type != "cpu":
+            return checked
+        return _numpy_of(checked.detach(), self.layout.dtype)  # autograd tracked it
 
-        Device tensors stay tensors (torch copies them).
-        """
-        if not isinstance(kv, np.ndarray):
-            try:
-                kv = _numpy_of(cast("torch.Tensor", kv), self.layout.dtype)
-            except (AttributeError, TypeError, RuntimeError):
-                # Not a CPU tensor numpy takes as it is (device tensors, autograd,
-                # another dtype or type): the general check says which.
-                checked = super()._kv(kv, count, what)
-                if isinstance(checked, np.ndarray) or checked.device.type != "cpu":
-                    return checked
-                kv = _numpy_of(checked.detach(), self.layout.dtype)
-        return super()._kv(kv, count, what)
-
-    def _write(self, ids: list[int], src: KV) -> None:
+    def _write(self, ids: list[int], src: KV, layers: slice) -> None:
         """Arrays: one ``np.copyto`` per run of blocks; device tensors through torch."""
         if not isinstance(src, np.ndarray):
-            super()._write(ids, src)
-        elif src.ndim == 5:
-            np.copyto(self._all[:, :, ids[0]], src)
-        else:
-            for pos, first, count in _runs(ids):
-                np.copyto(self._all[:, :, first : first + count], src[:, :, pos : pos + count])
+            super()._write(ids, src, layers)
+            return
+        for pos, first, count in _runs(ids):
+            np.copyto(self._all[layers, :, first : first + count], src[:, :, pos : pos + count])
 
-    def _read(self, ids: list[int], out: KV) -> None:
+    def _read(self, ids: list[int], out: KV, layers: slice) -> None:
         """Arrays: one ``np.copyto`` per run of blocks; device tensors through torch."""
         if not isinstance(out, np.ndarray):
-            super()._read(ids, out)
-        elif out.ndim == 5:
-            np.copyto(out, self._all[:, :, ids[0]])
-        else:
-            for pos, first, count in _runs(ids):
-                np.copyto(out[:, :, pos : pos + count], self._all[:, :, first : first + count])
+            super()._read(ids, out, layers)
+            return
+        for pos, first, count in _runs(ids):
+            np.copyto(out[:, :, pos : pos + count], self._all[layers, :, first : first + count])
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if len(src) != len(dst):

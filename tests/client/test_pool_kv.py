@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvd_client.errors import InvalidRequest
 from kvd_client.layout import PoolLayout
-from kvd_client.pool import ShmPool, open_pool
+from kvd_client.pool import PoolMapping, ShmPool, open_pool
 
 from .support import LAYOUT, shm_handle
 
@@ -224,3 +224,65 @@ def test_a_run_outside_the_pool_is_an_index_error(
     pool = _open(pool_file)
     with pytest.raises(IndexError):
         pool.blocks(first, count)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("ids", [[2, 3, 4], [6, 0, 3]])
+def test_write_layer_writes_one_layer_of_each_block(
+    pool_file: PoolFile, order: str, ids: list[int]
+) -> None:
+    pool = _open(pool_file, dataclasses.replace(LAYOUT, order=order))
+    kv = _kv(len(ids))[1]  # [2, len(ids), 4, 2, 4]
+    pool.write_layer(1, ids, kv)
+    assert torch.equal(pool.layer(1)[:, ids], kv)
+    assert not pool.layer(0).any()
+    assert not pool.layer(2).any()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_read_layer_gathers_one_layer(pool_file: PoolFile, order: str) -> None:
+    pool = _open(pool_file, dataclasses.replace(LAYOUT, order=order))
+    kv = _kv(8)
+    pool.write_blocks(range(8), kv)
+    out = torch.zeros(2, 3, 4, 2, 4, dtype=torch.float16)
+    pool.read_layer(2, [5, 6, 1], out)
+    assert torch.equal(out, kv[2][:, [5, 6, 1]])
+
+
+@pytest.mark.parametrize("layer", [3, -1, 1.0])
+def test_a_layer_outside_the_pool_is_refused(pool_file: PoolFile, layer: Any) -> None:
+    pool = _open(pool_file)
+    with pytest.raises(InvalidRequest, match="layer"):
+        pool.write_layer(layer, [0], _kv(1)[0])
+    assert not pool.np_blocks(0, LAYOUT.num_blocks).any()
+
+
+def test_write_layer_needs_the_layer_shape(pool_file: PoolFile) -> None:
+    pool = _open(pool_file)
+    with pytest.raises(InvalidRequest, match=r"shape \(3, 2, 1, 4, 2, 4\)"):
+        pool.write_layer(0, [0], _kv(1))
+
+
+def test_a_numpy_integer_block_id_is_taken(pool_file: PoolFile) -> None:
+    pool = _open(pool_file)
+    kv = _kv()
+    pool.write_block(np.int64(6), kv)
+    out = torch.zeros(BLOCK, dtype=torch.float16)
+    pool.read_block(np.int32(6), out)
+    assert torch.equal(out, kv)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_torch_path_copies_what_the_numpy_path_does(pool_file: PoolFile, order: str) -> None:
+    """The base class's torch copies (cuda pools, device tensors), run here on shm views."""
+    pool = _open(pool_file, dataclasses.replace(LAYOUT, order=order))
+    kv = _kv(4)
+    ids = [1, 2, 6, 3]
+    PoolMapping._write(pool, ids, kv, slice(None))
+    assert torch.equal(pool.blocks(1, 2), kv[:, :, :2])
+    assert torch.equal(pool.block(6), kv[:, :, 2])
+    out = torch.zeros_like(kv)
+    PoolMapping._read(pool, ids, out, slice(None))
+    assert torch.equal(out, kv)
+    PoolMapping._write(pool, [0], kv[2:3, :, :1], slice(2, 3))
+    assert torch.equal(pool.layer(2)[:, 0], kv[2, :, 0])

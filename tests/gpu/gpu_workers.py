@@ -83,6 +83,11 @@ def _serve(conn: mpc.Connection) -> None:
         pool.write_blocks(ids, kv_of(pool, values, device))
         pool.fence()
 
+    def write_layer(name: str, layer: int, ids: list[int], value: float, device: str) -> None:
+        pool = pools[name]
+        pool.write_layer(layer, ids, kv_of(pool, [value] * len(ids), device)[0])
+        pool.fence()
+
     def read_blocks(name: str, ids: list[int], device: str) -> list[list[float]]:
         pool = pools[name]
         out = kv_of(pool, [0.0] * len(ids), device)
@@ -180,6 +185,7 @@ def _serve(conn: mpc.Connection) -> None:
         "copy": copy,
         "write_blocks": write_blocks,
         "read_blocks": read_blocks,
+        "write_layer": write_layer,
         "drop": drop,
         "env": env,
         "connect": connect,

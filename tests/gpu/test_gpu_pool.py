@@ -139,6 +139,17 @@ def test_write_blocks_lands_for_the_other_client(
     assert b.call("read_blocks", "gpu-test", [150, 201], device) == [[4.5, 4.5], [2.5, 2.5]]
 
 
+@pytest.mark.parametrize(("device", "blocks"), [("cpu", [420, 421]), ("cuda", [430, 433])])
+def test_write_layer_writes_only_that_layer(
+    mapped: tuple[Worker, Worker], device: str, blocks: list[int]
+) -> None:
+    a, b = mapped
+    a.call("write_layer", "gpu-test", 2, blocks, 6.5, device)
+    for block in blocks:
+        assert b.call("slot", "gpu-test", 2, 1, block) == [6.5, 6.5]
+        assert b.call("slot", "gpu-test", 1, 1, block) == [0.0, 0.0]
+
+
 def test_a_process_opens_a_handle_once(pool: cuda.CudaPool, mapped: tuple[Worker, Worker]) -> None:
     assert mapped[0].call("reopen", "gpu-test", wire(pool), LAYOUT.to_dict())
 
