@@ -84,9 +84,10 @@ _ALL: Final = slice(None)
 #: Block ids the write and read methods take: ints, a 1-D integer array or CPU tensor.
 BlockIds: TypeAlias = Union[Sequence[int], npt.NDArray[Any], "torch.Tensor"]
 
-Opener = Callable[[dict[str, Any], PoolLayout], "PoolMapping"]
 #: What the write and read methods take: a torch tensor or a numpy array.
 KV: TypeAlias = Union["torch.Tensor", npt.NDArray[Any]]
+
+Opener = Callable[[dict[str, Any], PoolLayout], "PoolMapping"]
 
 #: Backend name (``memory["backend"]``) → function mapping such a handle.
 BACKENDS: dict[str, Opener] = {}
@@ -378,13 +379,7 @@ class ShmPool(PoolMapping):
             offset=base,
             strides=layout.blocks_strides(),
         )
-        self._block_shape = (
-            layout.num_layers,
-            2,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        self._block_shape = self._shape(None)
 
     @classmethod
     def open(cls, memory: dict[str, Any], layout: PoolLayout) -> PoolMapping:
