@@ -53,6 +53,7 @@ __all__ = [
     "load_trace",
     "next_uses",
     "simulate_freq_classes",
+    "simulate_freq_classes_table",
     "simulate_lru",
     "simulate_lru_oracle_admission",
     "simulate_optimum",
@@ -504,10 +505,115 @@ def simulate_freq_classes(
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit hash of an interned key (a sha256 key's stand-in)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def simulate_freq_classes_table(
+    trace: Trace,
+    capacity: int,
+    *,
+    classes: int = 8,
+    power: float = 2.0,
+    per_block: float = 4.0,
+    sample: int = 64,
+    probes: int = 2,
+    halve: bool = True,
+) -> Outcome:
+    """`simulate_freq_classes` with the engine's bounded memory of evicted blocks' counts.
+
+    The engine's design (``kvd/engine/frequency.py``): a cached block's use count is
+    exact (saturating at ``classes``). Counts outlive eviction only for *sampled* keys
+    (``1/sample`` of them, by hash), in a table of ``per_block * capacity`` byte
+    counters: an evicted sampled key raises its ``probes`` counters to its count (never
+    lowers them); a published key starts from the smallest of its counters plus one.
+    An unsampled new key takes the count of the nearest sampled new key after it in
+    the same request: every use of a descendant uses its ancestors too, so that is a
+    lower bound. With ``halve``, all counters halve once the table has taken as many
+    keys as it has counters (counts fade over ``per_block * sample / probes`` pool
+    turnovers; the table never silts up).
+    """
+    out = Outcome(total_tokens=trace.total_tokens)
+    t0 = time.perf_counter()
+    free = capacity
+    queues: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(classes + 1)]
+    uses: dict[int, int] = {}  # cached key -> its count (saturated)
+    size = max(64, int(per_block * capacity))
+    table = bytearray(size)
+    halved = bytes(i >> 1 for i in range(256))
+    writes = 0
+    scale = [1.0 / max(c, 1) ** power for c in range(classes + 1)]
+
+    def slots(key: int) -> list[int] | None:
+        h = _mix(key)
+        if (h >> 56) % sample:
+            return None
+        h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # double hashing
+        return [(h1 + i * h2) % size for i in range(probes)]
+
+    for now, (keys, nblocks, length) in enumerate(
+        zip(trace.keys, trace.blocks, trace.tokens, strict=True)
+    ):
+        if nblocks > capacity:
+            out.refused += 1
+            continue
+        hit = _first_missing(keys, uses.__contains__, (length - 1) // BLOCK)
+        resident = 0
+        for key in keys:
+            c = uses.get(key)
+            if c is not None:
+                del queues[c][key]
+                resident += 1
+        need = nblocks - resident
+        take = min(free, need)
+        free -= take
+        for _ in range(need - take):
+            best, oldest = 0, -1.0
+            for c, queue in enumerate(queues):
+                if queue:
+                    age = (now - queue[next(iter(queue))] + 1) * scale[c]
+                    if age > oldest:
+                        best, oldest = c, age
+            key, _ = queues[best].popitem(last=False)
+            f = uses.pop(key)
+            where = slots(key)
+            if where is None:
+                continue
+            for i in where:
+                table[i] = max(table[i], f)
+            writes += 1
+            if halve and writes >= size:
+                table = bytearray(table.translate(halved))
+                writes = 0
+        below = 0
+        for key in reversed(keys):
+            f = uses.get(key)
+            if f is None:
+                where = slots(key)
+                if where is not None:
+                    below = min(table[i] for i in where)
+                f = below
+            f = min(f + 1, classes)
+            uses[key] = f
+            queues[f][key] = now
+        free += nblocks - len(keys)
+        out.hit_tokens += hit * BLOCK
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
 #: Prototype policies by name (``replay.py --policy NAME``).
 POLICIES: dict[str, Callable[[Trace, int], Outcome]] = {
     "freq-classes": simulate_freq_classes,
     "freq-classes-no-ghost": functools.partial(simulate_freq_classes, ghost=False),
+    "freq-classes-table": simulate_freq_classes_table,
     "s3fifo": simulate_s3fifo,
     "lru-oracle-admission": simulate_lru_oracle_admission,
 }

@@ -139,10 +139,12 @@ def precompute_keys(prompts: list[Tokens]) -> list[list[bytes]]:
     return [hasher.keys(np.concatenate([p, DECODE_TOKENS]), None) for p in prompts]
 
 
-def replay(prompts: list[Tokens], keys: list[list[bytes]] | None = None) -> Result:
+def replay(
+    prompts: list[Tokens], keys: list[list[bytes]] | None = None, eviction: str = "frequency"
+) -> Result:
     """Run the workload once on a fresh engine (with precomputed ``keys``:
-    manager only)."""
-    eng = Engine(EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    manager only) evicting by ``eviction`` (the engine's default policy)."""
+    eng = Engine(EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, eviction=eviction))
     eng.open_session(1)
     lookup = LookupHasher()
     if keys is not None:

@@ -1,14 +1,17 @@
 """Replay a Mooncake-format trace: kvd's token hit ratio beside LRU and the offline optimum.
 
-For each capacity, the trace runs through kvd's engine (``allocate`` the prompt,
-``commit``, ``free``, one request at a time in file order; a request that does not fit
-is a miss) and through the simulators of ``bench/cache_sim.py`` (how the trace becomes
-16-token blocks, and what every simulator counts, is documented there):
+For each capacity, the trace runs through kvd's engine with its default eviction
+policy (``allocate`` the prompt, ``commit``, ``free``, one request at a time in file
+order; a request that does not fit is a miss) and through the simulators of
+``bench/cache_sim.py`` (how the trace becomes 16-token blocks, and what every simulator
+counts, is documented there):
 
 - ``LRU (vLLM)``: vLLM 0.33.0's ``BlockPool`` eviction, block for block. In
   ``.bench-venv`` (``bench/setup-vllm-venv.sh``) vLLM's real ``KVCacheManager`` replays
   the trace too, with real sha256_cbor keys, and must agree with the simulation.
 - ``optimum``: Belady's MIN with prefix closure (``cache_sim.simulate_optimum``).
+- ``--engine-lru``: kvd's engine again with ``eviction = "lru"`` (it equals the LRU
+  simulation with kvd's one-block-per-key rule; ``tests/bench`` checks that).
 - ``--policy NAME``: prototype eviction policies (``cache_sim.POLICIES``).
 
 Capacities count 512-token trace blocks, the README's unit: the pool gets 32 times as
@@ -17,13 +20,14 @@ and beside the optimum (target: within 5 points), per capacity; ``--plot`` draws
 ratio against capacity.
 
 Run: ``.venv/bin/python -m bench.replay --trace FILE [--capacity-blocks N ...]
-[--policy NAME ...] [--plot FILE.png] [--json]`` (``.bench-venv/bin/python`` adds the
+[--policy NAME ...] [--engine-lru] [--plot FILE.png] [--json]`` (``.bench-venv/bin/python`` adds the
 real vLLM column).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,11 +55,13 @@ TARGET_VS_LRU = 0.0
 TARGET_VS_OPTIMUM = -5.0
 
 
-def replay_kvd(trace: Trace, capacity: int) -> Outcome:
+def replay_kvd(trace: Trace, capacity: int, eviction: str = "frequency") -> Outcome:
     """Replay through kvd's engine with ``capacity`` 16-token blocks."""
     from kvd.engine import Engine, EngineConfig, Refusal
 
-    eng = Engine(EngineConfig(num_blocks=capacity, block_size=BLOCK, events=False))
+    eng = Engine(
+        EngineConfig(num_blocks=capacity, block_size=BLOCK, events=False, eviction=eviction)
+    )
     eng.open_session(1)
     out = Outcome(total_tokens=trace.total_tokens)
     allocate, commit, free = eng.allocate, eng.commit, eng.free
@@ -111,7 +117,12 @@ Replayer = Callable[[Trace, int], Outcome]
 
 
 def run(
-    trace: Trace, capacities: Sequence[int], policies: Sequence[str], *, vllm: bool
+    trace: Trace,
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    vllm: bool,
+    engine_lru: bool = False,
 ) -> dict[str, list[Outcome]]:
     """Every replayer at every capacity (in trace blocks): name -> outcomes."""
     replayers: dict[str, Replayer] = {
@@ -121,6 +132,8 @@ def run(
     }
     if vllm:
         replayers["vLLM 0.33.0"] = replay_vllm
+    if engine_lru:
+        replayers["kvd, eviction=lru"] = functools.partial(replay_kvd, eviction="lru")
     for name in policies:
         replayers[f"proto: {name}"] = POLICIES[name]
     results: dict[str, list[Outcome]] = {name: [] for name in replayers}
@@ -152,6 +165,7 @@ def plot(
         "kvd": {"color": "C0", "marker": "o", "linewidth": 2.5, "zorder": 3},
         "LRU (vLLM)": {"color": "C1", "marker": "x", "linestyle": "--", "markersize": 9},
         "vLLM 0.33.0": {"color": "C1", "marker": "+", "linestyle": "none", "markersize": 12},
+        "kvd, eviction=lru": {"color": "C1", "marker": "1", "linestyle": "none", "markersize": 12},
         "optimum": {"color": "C2", "marker": "s", "linewidth": 2},
     }
     prototype = iter(["C3", "C4", "C5", "C6", "C7", "C8", "C9"])
@@ -198,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also simulate these prototype eviction policies",
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's real manager")
+    parser.add_argument(
+        "--engine-lru", action="store_true", help='also replay kvd\'s engine with eviction = "lru"'
+    )
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw hit ratio vs capacity")
     parser.add_argument("--json", action="store_true", help="also write bench/results/")
     args = parser.parse_args(argv)
@@ -210,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     capacities = sorted(set(args.capacity_blocks))
     vllm = not args.no_vllm and vllm_available()
     t0 = time.perf_counter()
-    results = run(trace, capacities, args.policy, vllm=vllm)
+    results = run(trace, capacities, args.policy, vllm=vllm, engine_lru=args.engine_lru)
     infinite = ideal(trace).hit_ratio
     name = args.trace.stem
     print(

@@ -35,6 +35,7 @@ from kvd.errors import ConfigError
 
 __all__ = [
     "BACKENDS",
+    "EVICTIONS",
     "AdmissionConfig",
     "CacheConfig",
     "Config",
@@ -51,6 +52,8 @@ __all__ = [
 
 #: Memory backends a pool may name (``cuda`` joins the registry later).
 BACKENDS: Final = ("shm", "cuda")
+#: ``cache.eviction`` settings (the engine's `EVICTION_POLICIES`, which a test keeps equal).
+EVICTIONS: Final = ("frequency", "lru")
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 _LOG_FORMATS: Final = ("auto", "json", "console")
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -161,6 +164,16 @@ class CacheConfig:
 
     #: Seed of the block-hash chain (vLLM's default; must match routers' config).
     hash_seed: str = "vllm-none-hash"
+    #: Which cached block a full pool evicts: "frequency" (use counts and
+    #: recency) or "lru" (vLLM's order, block for block).
+    eviction: str = "frequency"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.eviction in EVICTIONS,
+            "eviction",
+            f"must be one of {list(EVICTIONS)}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

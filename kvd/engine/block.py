@@ -13,16 +13,17 @@ class Block:
     ``key`` (it is in the prefix index and still matchable) and *free*
     otherwise. ``index`` is the prefix-index dict that maps ``key`` to this
     block (so eviction can unlink it without knowing the namespace).
-    ``prev``/``next`` link the block into the intrusive LRU queue while it
-    is evictable; they are meaningless otherwise.
+    ``prev``/``next`` link the block into an intrusive eviction queue while
+    it is evictable; they are meaningless otherwise. Pin counts and the
+    eviction policy's per-block state live in arrays and dicts beside the
+    blocks (a slot costs 8 bytes on every block of a million-block pool).
     """
 
-    __slots__ = ("block_id", "index", "key", "next", "pins", "prev", "ref")
+    __slots__ = ("block_id", "index", "key", "next", "prev", "ref")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref = 0
-        self.pins = 0
         self.key: bytes | None = None
         self.index: dict[bytes, Block] | None = None
         self.prev: Block | None = None
@@ -30,4 +31,4 @@ class Block:
 
     def __repr__(self) -> str:
         key = self.key.hex()[:12] if self.key is not None else None
-        return f"Block({self.block_id}, ref={self.ref}, pins={self.pins}, key={key})"
+        return f"Block({self.block_id}, ref={self.ref}, key={key})"

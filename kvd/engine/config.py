@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from kvd.engine.errors import InvalidError
 from kvd.engine.hashing import DEFAULT_HASH_SEED
 
-__all__ = ["EngineConfig"]
+__all__ = ["EVICTION_POLICIES", "EngineConfig"]
+
+#: ``eviction`` settings: the default orders evictions by use count and
+#: recency (`kvd.engine.frequency`); "lru" is vLLM's order, block for block.
+EVICTION_POLICIES = ("frequency", "lru")
 
 
 def _is_int(value: object) -> bool:
@@ -21,6 +25,8 @@ class EngineConfig:
     ``watermark_blocks`` blocks are kept for the growth of running
     sequences: new allocations and forks may not dip into them, appends may.
     ``events`` turns the event list off when nobody drains it.
+    ``eviction`` picks which cached block goes when the pool is full (one
+    of `EVICTION_POLICIES`).
     """
 
     num_blocks: int
@@ -28,6 +34,7 @@ class EngineConfig:
     hash_seed: str = DEFAULT_HASH_SEED
     watermark_blocks: int = 0
     events: bool = True
+    eviction: str = "frequency"
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
@@ -42,3 +49,7 @@ class EngineConfig:
             )
         if not isinstance(self.events, bool):
             raise InvalidError(f"events must be a bool, got {type(self.events).__name__}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise InvalidError(
+                f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}"
+            )

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.engine.admission import unmet_minimums
+from kvd.engine.block import Block
 from kvd.engine.config import EngineConfig
 from kvd.engine.errors import (
     Code,
@@ -18,6 +19,7 @@ from kvd.engine.errors import (
     NotFoundError,
 )
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvd.engine.frequency import FrequencyPool
 from kvd.engine.hashing import BlockHasher
 from kvd.engine.namespace import Namespace
 from kvd.engine.pool import BlockPool
@@ -131,7 +133,9 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self._pool = BlockPool(config.num_blocks)
+        self._pool = (FrequencyPool if config.eviction == "frequency" else BlockPool)(
+            config.num_blocks
+        )
         self._hasher = BlockHasher(config.block_size, config.hash_seed)
         self._sessions: dict[int, Session] = {}
         self._namespaces: dict[str, Namespace] = {}
@@ -140,7 +144,8 @@ class Engine:
         self._emit = config.events
         self._events: list[Event] = []
         self._pin_ids = itertools.count(1)
-        self._pinned = 0
+        #: Pinned block -> its pins (few blocks are pinned: no slot on every block).
+        self._pins: dict[Block, int] = {}
         #: Accounts (sessions and namespaces) with a guaranteed minimum.
         self._minimums = 0
         self._queries = 0
@@ -297,7 +302,7 @@ class Engine:
         reservations, the watermark (for new allocations) and the unmet
         minimums of other accounts."""
         pool = self._pool
-        avail = len(pool.free) + pool.lru.size - self._outstanding
+        avail = len(pool.free) + pool.evictable - self._outstanding
         if new:
             avail -= self._watermark
         if self._minimums:
@@ -390,7 +395,7 @@ class Engine:
             return refusal
 
         pool = self._pool
-        pool.touch(hits)
+        pool.match(hits)
         removed: list[bytes] = []
         table = hits
         table += pool.take(num_blocks - num_hits, removed)
@@ -468,9 +473,10 @@ class Engine:
             for block, key in zip(blocks, new_keys, strict=True):
                 block.key = key
                 block.index = index
+            self._pool.publish(blocks)
             self._stored(seq, start, full)
             return Committed(n, full - start)
-        stored = 0
+        stored: list[Block] = []
         run = -1
         for i, block in enumerate(blocks, start):
             if block.key is None:
@@ -479,7 +485,7 @@ class Engine:
                     index[key] = block
                     block.key = key
                     block.index = index
-                    stored += 1
+                    stored.append(block)
                     if run < 0:
                         run = i
                     continue
@@ -488,7 +494,8 @@ class Engine:
                 run = -1
         if run >= 0:
             self._stored(seq, run, full)
-        return Committed(n, stored)
+        self._pool.publish(stored)
+        return Committed(n, len(stored))
 
     def _stored(self, seq: Sequence, start: int, end: int) -> None:
         if self._emit:
@@ -711,10 +718,10 @@ class Engine:
         refusal = self._admit(sess, len(blocks), 0, False)
         if refusal is not None:
             return refusal
+        pins = self._pins
         for block in blocks:
             block.ref += 1
-            block.pins += 1
-            self._pinned += block.pins == 1
+            pins[block] = pins.get(block, 0) + 1
         pin_id = next(self._pin_ids)
         sess.pins[pin_id] = blocks
         self._charge(sess, len(blocks), 0)
@@ -727,9 +734,13 @@ class Engine:
             blocks = sess.pins.pop(pin_id)
         except (KeyError, TypeError):
             raise NotFoundError(f"no pin {pin_id!r} in session {sid}") from None
+        pins = self._pins
         for block in blocks:
-            block.pins -= 1
-            self._pinned -= block.pins == 0
+            left = pins[block] - 1
+            if left:
+                pins[block] = left
+            else:
+                del pins[block]
         self._pool.release(reversed(blocks))
         self._charge(sess, -len(blocks), 0)
 
@@ -777,13 +788,13 @@ class Engine:
         """A snapshot of the counters (plain data)."""
         pool = self._pool
         free = len(pool.free)
-        evictable = pool.lru.size
+        evictable = pool.evictable
         return EngineStats(
             blocks_total=pool.num_blocks,
             blocks_free=free,
             blocks_evictable=evictable,
             blocks_in_use=pool.num_blocks - free - evictable,
-            blocks_pinned=self._pinned,
+            blocks_pinned=len(self._pins),
             reserved=self._outstanding,
             sequences=sum(len(s.seqs) for s in self._sessions.values()),
             sessions=len(self._sessions),
@@ -913,13 +924,22 @@ class Engine:
             problems.append(f"{self._minimums} accounts with minimums, recomputed {minimums}")
 
         free_ids = [b.block_id for b in pool.free]
-        lru_ids = [b.block_id for b in pool.lru]
+        lru_ids = [b.block_id for q in pool.queues() for b in q]
         if len(set(free_ids)) != len(free_ids):
             problems.append("a block is twice on the free stack")
         if len(set(lru_ids)) != len(lru_ids):
-            problems.append("a block is twice in the eviction queue")
-        if len(lru_ids) != pool.lru.size:
-            problems.append(f"eviction queue links {len(lru_ids)} blocks, counts {pool.lru.size}")
+            problems.append("a block is twice in the eviction queues")
+        if len(lru_ids) != pool.evictable:
+            problems.append(f"eviction queues link {len(lru_ids)} blocks, counts {pool.evictable}")
+        for queue in pool.queues():
+            prev = queue.head
+            for block in queue:
+                if block.prev is not prev:
+                    problems.append(f"block {block.block_id}: broken back link in its queue")
+                prev = block
+            if queue.tail.prev is not prev:
+                problems.append("an eviction queue's tail does not link back to its last block")
+        pool.check(problems)
         free_set, lru_set = set(free_ids), set(lru_ids)
         indexed = 0
         pinned = 0
@@ -927,8 +947,10 @@ class Engine:
             bid = block.block_id
             if block.ref != holders[bid]:
                 problems.append(f"block {bid}: ref {block.ref}, holders {holders[bid]}")
-            if block.pins != pins[bid]:
-                problems.append(f"block {bid}: pins {block.pins}, recomputed {pins[bid]}")
+            if self._pins.get(block, 0) != pins[bid]:
+                problems.append(
+                    f"block {bid}: pins {self._pins.get(block, 0)}, recomputed {pins[bid]}"
+                )
             pinned += pins[bid] > 0
             if block.key is not None:
                 indexed += 1
@@ -944,8 +966,8 @@ class Engine:
                 problems.append(f"block {bid}: evictable={is_lru} but queued={bid in lru_set}")
         if indexed != sum(len(ns.index) for ns in self._namespaces.values()):
             problems.append("prefix index size differs from the number of keyed blocks")
-        if pinned != self._pinned:
-            problems.append(f"{self._pinned} pinned blocks counted, recomputed {pinned}")
+        if pinned != len(self._pins):
+            problems.append(f"{len(self._pins)} pinned blocks counted, recomputed {pinned}")
         in_use = sum(1 for b in blocks if b.ref > 0)
         if len(free_ids) + len(lru_ids) + in_use != pool.num_blocks:
             problems.append(

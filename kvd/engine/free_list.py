@@ -16,19 +16,21 @@ class BlockQueue:
     with no allocation: the links live in the blocks themselves (like
     vLLM's ``FreeKVCacheBlockQueue``). Two sentinels remove every edge
     case from the link updates. The head is the next block to evict.
+
+    The queue keeps no length: a block is unlinked without knowing which
+    of a pool's queues holds it, so the pool counts its evictable blocks.
     """
 
-    __slots__ = ("head", "size", "tail")
+    __slots__ = ("head", "tail")
 
     def __init__(self) -> None:
         self.head = Block(-1)
         self.tail = Block(-1)
         self.head.next = self.tail
         self.tail.prev = self.head
-        self.size = 0
 
-    def __len__(self) -> int:
-        return self.size
+    def __bool__(self) -> bool:
+        return self.head.next is not self.tail
 
     def append(self, block: Block) -> None:
         """Put ``block`` at the tail (evicted last)."""
@@ -39,35 +41,31 @@ class BlockQueue:
         block.prev = last
         block.next = tail
         tail.prev = block
-        self.size += 1
 
     def extend(self, blocks: Iterable[Block]) -> None:
         """Append ``blocks`` in order (the first is evicted first)."""
         tail = self.tail
         last = tail.prev
         assert last is not None
-        n = 0
         for block in blocks:
             last.next = block
             block.prev = last
             last = block
-            n += 1
         last.next = tail
         tail.prev = last
-        self.size += n
 
-    def remove(self, block: Block) -> None:
-        """Unlink ``block``, which must be in this queue."""
+    @staticmethod
+    def remove(block: Block) -> None:
+        """Unlink ``block`` from whichever queue holds it."""
         prev = block.prev
         nxt = block.next
         assert prev is not None and nxt is not None
         prev.next = nxt
         nxt.prev = prev
         block.prev = block.next = None
-        self.size -= 1
 
     def popleft(self, n: int) -> list[Block]:
-        """Unlink and return the ``n`` blocks at the head (``n <= len(self)``)."""
+        """Unlink and return the ``n`` blocks at the head (at least ``n`` queued)."""
         head = self.head
         out: list[Block] = []
         block = head.next
@@ -78,7 +76,6 @@ class BlockQueue:
         assert block is not None
         head.next = block
         block.prev = head
-        self.size -= n
         return out
 
     def __iter__(self) -> Iterator[Block]:

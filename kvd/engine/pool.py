@@ -1,8 +1,13 @@
-"""The block pool: every block, the free stack and the eviction queue."""
+"""The block pool: every block, the free stack and the eviction order.
+
+`BlockPool` evicts in vLLM's order (one LRU queue); `FrequencyPool`
+(`kvd.engine.frequency`) keeps the same states and contracts and orders
+evictions by use counts as well as recency.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvd.engine.block import Block
 from kvd.engine.free_list import BlockQueue
@@ -16,15 +21,19 @@ class BlockPool:
 
     - *free*: ``ref == 0`` and no key, on the ``free`` stack (taken first,
       most recently freed first: its memory is likely still warm);
-    - *evictable*: ``ref == 0`` with a key, in the ``lru`` queue, least
-      recently released at the head (still matchable until taken);
+    - *evictable*: ``ref == 0`` with a key, in an eviction queue (here the
+      one ``lru`` queue, least recently released at the head), still
+      matchable until taken; ``evictable`` counts them;
     - *in use*: ``ref > 0``.
 
     Every method is O(1) per block touched. Callers check capacity first
     (`available`), so nothing here can fail halfway.
     """
 
-    __slots__ = ("blocks", "emptied", "evictions", "free", "lru", "num_blocks")
+    __slots__ = ("blocks", "emptied", "evictable", "evictions", "free", "lru", "num_blocks")
+
+    #: The ``eviction`` setting that selects this class.
+    policy = "lru"
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -32,13 +41,18 @@ class BlockPool:
         # Reversed so that the first allocations get blocks 0, 1, 2, ...
         self.free: list[Block] = self.blocks[::-1]
         self.lru = BlockQueue()
+        self.evictable = 0
         self.evictions = 0
         #: Indexes that evictions in `take` left empty, for the owner to collect.
         self.emptied: list[PrefixIndex] = []
 
     def available(self) -> int:
         """Blocks that can be taken now: free plus evictable."""
-        return len(self.free) + self.lru.size
+        return len(self.free) + self.evictable
+
+    def queues(self) -> list[BlockQueue]:
+        """The eviction queues (for `check_invariants` and tests)."""
+        return [self.lru]
 
     def take(self, n: int, removed: list[bytes]) -> list[Block]:
         """``n`` blocks with ``ref == 1``: free ones first, then the least
@@ -55,29 +69,44 @@ class BlockPool:
             taken = free[::-1]
             free.clear()
             victims = self.lru.popleft(n - k)
-            note = removed.append
-            for block in victims:
-                # Evictable blocks are keyed and indexed (check_invariants).
-                index = block.index
-                del index[block.key]  # type: ignore[union-attr,arg-type]
-                if not index and isinstance(index, PrefixIndex):
-                    self.emptied.append(index)
-                note(block.key)  # type: ignore[arg-type]
-                block.key = None
-                block.index = None
+            self._unkey(victims, removed)
             taken += victims
-            self.evictions += n - k
         for block in taken:
             block.ref = 1
         return taken
 
+    def _unkey(self, victims: list[Block], removed: list[bytes]) -> None:
+        """Take evicted ``victims`` out of their indexes (see `take`)."""
+        note = removed.append
+        for block in victims:
+            # Evictable blocks are keyed and indexed (check_invariants).
+            index = block.index
+            del index[block.key]  # type: ignore[union-attr,arg-type]
+            if not index and isinstance(index, PrefixIndex):
+                self.emptied.append(index)
+            note(block.key)  # type: ignore[arg-type]
+            block.key = None
+            block.index = None
+        self.evictable -= len(victims)
+        self.evictions += len(victims)
+
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Add a holder to each block, pulling evictable ones off the queue."""
-        lru = self.lru
+        """Add a holder to each block, pulling evictable ones off their queue."""
+        remove = BlockQueue.remove
+        pulled = 0
         for block in blocks:
             if block.ref == 0:
-                lru.remove(block)
+                remove(block)
+                pulled += 1
             block.ref += 1
+        self.evictable -= pulled
+
+    def match(self, hits: list[Block]) -> None:
+        """`touch` the prefix hits of a new allocation (a use of each)."""
+        self.touch(hits)
+
+    def publish(self, blocks: Sequence[Block]) -> None:
+        """``blocks`` (in chain order) just got their keys. LRU keeps no counts."""
 
     def release(self, blocks: Iterable[Block]) -> None:
         """Drop a holder from each block; blocks reaching ``ref == 0`` become
@@ -102,7 +131,7 @@ class BlockPool:
         if queued:
             last.next = tail
             tail.prev = last
-            lru.size += queued
+            self.evictable += queued
 
     def drop_key(self, block: Block) -> None:
         """Take ``block`` out of the prefix cache (its index entry is the
@@ -110,5 +139,9 @@ class BlockPool:
         block.key = None
         block.index = None
         if block.ref == 0:
-            self.lru.remove(block)
+            BlockQueue.remove(block)
+            self.evictable -= 1
             self.free.append(block)
+
+    def check(self, problems: list[str]) -> None:
+        """Append what is wrong with the policy's own state to ``problems``."""

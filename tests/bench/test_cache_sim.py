@@ -157,6 +157,6 @@ def test_the_optimum_is_never_beaten(trace: Trace, capacity: int) -> None:
 @settings(max_examples=15, deadline=None)
 @given(trace=traces, capacity=st.integers(33, 90))
 def test_kvds_engine_evicts_exactly_like_the_lru_simulation(trace: Trace, capacity: int) -> None:
-    engine = replay_kvd(trace, capacity)
+    engine = replay_kvd(trace, capacity, eviction="lru")
     assert engine.hit_tokens == simulate_lru(trace, capacity, duplicates=False).hit_tokens
     assert engine.refused == simulate_lru(trace, capacity).refused

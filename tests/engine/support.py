@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.engine import Engine
+from kvd.engine.frequency import FrequencyPool
 
 BS = 4
 
@@ -47,9 +48,14 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
     stats = eng.stats().to_dict()
     del stats["refusals"]
     return {
-        "blocks": [(b.ref, b.pins, b.key, b.index is not None) for b in pool.blocks],
+        "blocks": [(b.ref, eng._pins.get(b, 0), b.key, b.index is not None) for b in pool.blocks],
         "free": [b.block_id for b in pool.free],
-        "lru": [b.block_id for b in pool.lru],
+        "queues": [[b.block_id for b in q] for q in pool.queues()],
+        "policy": (
+            (bytes(pool.uses), pool.stamps.tobytes(), pool.clock, bytes(pool.table.counters))
+            if isinstance(pool, FrequencyPool)
+            else None
+        ),
         "outstanding": eng._outstanding,
         "events": list(eng._events),
         "sessions": {

@@ -6,7 +6,9 @@ from typing import Any
 
 import pytest
 
+from kvd.config import EVICTIONS
 from kvd.engine import EngineConfig, InvalidError
+from kvd.engine.config import EVICTION_POLICIES
 
 
 def test_defaults_match_vllm() -> None:
@@ -30,8 +32,14 @@ def test_defaults_match_vllm() -> None:
         {"num_blocks": 8, "watermark_blocks": -1},
         {"num_blocks": 8, "watermark_blocks": 9},
         {"num_blocks": 8, "events": 1},
+        {"num_blocks": 8, "eviction": "lfu"},
     ],
 )
 def test_bad_settings_are_invalid(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidError):
         EngineConfig(**kwargs)
+
+
+def test_the_default_eviction_is_frequency_and_the_daemon_config_offers_the_same() -> None:
+    assert EngineConfig(num_blocks=8).eviction == "frequency"
+    assert EVICTIONS == EVICTION_POLICIES

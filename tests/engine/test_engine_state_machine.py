@@ -5,7 +5,8 @@ truncate / free / pin / unpin / flush / close_session (and rewinds and
 exhausting the pool, made of these) over three sessions
 in two namespaces (one with an adapter) on a small pool with a tiny token
 alphabet, so hits, duplicates, copies, refusals and evictions all happen.
-After every step: `check_invariants`, plus the model's checks:
+After every step: `check_invariants`, plus the model's checks (for
+both eviction policies):
 
 - the simulated client writes each token into its block slot, and only
   ever into a block it alone holds that is not cached (copy-on-write);
@@ -50,9 +51,14 @@ prompts = st.tuples(
 
 
 class EngineMachine(RuleBasedStateMachine):
+    #: The engine's eviction policy (the default; `LruEngineMachine` runs "lru").
+    eviction = "frequency"
+
     def __init__(self) -> None:
         super().__init__()
-        self.eng = Engine(EngineConfig(num_blocks=12, block_size=BS, watermark_blocks=1))
+        self.eng = Engine(
+            EngineConfig(num_blocks=12, block_size=BS, watermark_blocks=1, eviction=self.eviction)
+        )
         self.eng.set_namespace_limits("t", quota=10, minimum=2)
         for sid, ns, adapter, quota in SESSIONS:
             self.eng.open_session(sid, namespace=ns, adapter=adapter, quota=quota)
@@ -305,9 +311,22 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=600,
+    max_examples=450,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+class LruEngineMachine(EngineMachine):
+    eviction = "lru"
+
+
+LruEngineMachine.TestCase.settings = settings(
+    max_examples=250,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLruEngineMachine = LruEngineMachine.TestCase

@@ -39,7 +39,7 @@ def test_release_of_a_shared_block_only_drops_a_holder() -> None:
     (a,) = pool.take(1, [])
     a.ref = 2
     pool.release([a])
-    assert a.ref == 1 and a not in pool.free and len(pool.lru) == 0
+    assert a.ref == 1 and a not in pool.free and pool.evictable == 0 and not pool.lru
 
 
 def test_take_evicts_from_the_head_once_the_free_stack_is_empty() -> None:
@@ -63,7 +63,7 @@ def test_touch_pulls_an_evictable_block_off_the_queue() -> None:
     cache(pool, index, a, b"a")
     pool.release([a])
     pool.touch([a])
-    assert a.ref == 1 and len(pool.lru) == 0
+    assert a.ref == 1 and pool.evictable == 0 and not pool.lru
 
 
 def test_drop_key_frees_an_evictable_block_at_once() -> None:
@@ -72,7 +72,7 @@ def test_drop_key_frees_an_evictable_block_at_once() -> None:
     cache(pool, index, a, b"a")
     pool.release([a])
     pool.drop_key(a)
-    assert a.key is None and a in pool.free and len(pool.lru) == 0
+    assert a.key is None and a in pool.free and pool.evictable == 0 and not pool.lru
 
 
 def test_drop_key_of_a_block_in_use_leaves_it_in_use() -> None:
