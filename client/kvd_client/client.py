@@ -132,7 +132,8 @@ def _pin(client: CL, op: Op[PinState]) -> Op[Pin[CL]]:
 
 
 def _attached(session: Session, op: Op[T]) -> Op[T]:
-    yield from session.ensure()
+    if session.info is None:  # the common case skips the generator of `Session.ensure`
+        yield from session.ensure()
     return (yield from op)
 
 

@@ -211,15 +211,33 @@ def pack(obj: Any) -> bytes:
 # --------------------------------------------------------------------------
 # Binary payloads
 
+_INT32_LE: Final = np.dtype("<i4")
+
+
+#: Up to this many ids, a range check goes through a list: numpy's reductions
+#: cost more on short arrays (a 1-token append, a block table of one block).
+_SHORT: Final = 16
+
+
+def _min(arr: npt.NDArray[Any]) -> int:
+    """The smallest element of a non-empty 1-D integer array."""
+    return min(arr.tolist()) if arr.shape[0] <= _SHORT else int(arr.min())
+
 
 def tokens_to_bytes(tokens: npt.ArrayLike) -> bytes:
     """Token ids as little-endian int32 bytes (the extra-frame form)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError("token ids must be a 1-D sequence")
-    if arr.size and arr.dtype.kind not in "iu":
+    if not arr.size:
+        return b""
+    if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
+    if arr.dtype == _INT32_LE:  # only the sign can be out of range
+        if _min(arr) < 0:
+            raise ValueError("token ids must lie in [0, 2**31)")
+        return arr.tobytes()
+    if _min(arr) < 0 or int(arr.max()) > 2**31 - 1:
         raise ValueError("token ids must lie in [0, 2**31)")
     return arr.astype("<i4", copy=False).tobytes()
 
@@ -230,8 +248,8 @@ def tokens_from_bytes(buf: bytes | memoryview) -> npt.NDArray[np.int32]:
         raise ProtocolError(Code.INVALID, f"token frame of {len(buf)} bytes is not int32s")
     if len(buf) // 4 > MAX_TOKENS:
         raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_TOKENS} tokens in one frame")
-    arr = np.frombuffer(buf, dtype="<i4")
-    if arr.size and int(arr.min()) < 0:
+    arr = np.frombuffer(buf, dtype=_INT32_LE)
+    if arr.size and _min(arr) < 0:
         raise ProtocolError(Code.INVALID, "negative token id")
     return arr
 
@@ -340,7 +358,6 @@ _CHECKS: dict[Any, Any] = {
 
 #: Each message class's decoded field schema, built on first use.
 _SCHEMAS: dict[type[Message], tuple[_Field, ...]] = {}
-_INT32_LE: Final = np.dtype("<i4")
 
 
 def _schema(cls: type[Message]) -> tuple[_Field, ...]:
@@ -441,12 +458,6 @@ def _unknown_fields(body: dict[Any, Any], names: frozenset[str]) -> None:
         raise ProtocolError(Code.INVALID, f"unknown fields {sorted(map(str, unknown))}")
 
 
-def _small_tokens(arr: _TokenArray) -> bool:
-    """Whether an int32 array's ids are all >= 0 (a list min for short arrays: cheaper)."""
-    n = arr.shape[0]
-    return not n or (min(arr.tolist()) if n <= 16 else int(arr.min())) >= 0
-
-
 def _token_frame(value: Any, extras: list[bytes]) -> int:
     """Append a token field's frame to ``extras``; the field's body value (its index)."""
     extras.append(tokens_to_bytes(value))
@@ -465,7 +476,7 @@ class _SharedTokens:
 
     def add(self, value: Any, extras: list[bytes]) -> list[int]:
         if type(value) is np.ndarray and value.dtype == _INT32_LE and value.ndim == 1:
-            if not _small_tokens(value):
+            if value.shape[0] and _min(value) < 0:
                 raise ValueError("token ids must lie in [0, 2**31)")
             arr = value
         else:
