@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from kvd.engine.block import Block
 from kvd.engine.free_list import BlockQueue
 from kvd.engine.pool import BlockPool
+from kvd.engine.prefix_index import PrefixIndex
 
 __all__ = ["CLASSES", "FrequencyPool", "UseTable"]
 
@@ -98,9 +99,10 @@ class FrequencyPool(BlockPool):
     """`BlockPool` with one LRU queue per use count (module docstring).
 
     Same states, contracts and costs except eviction, which compares the
-    heads of the `CLASSES` queues: O(CLASSES) per evicted block. Per block:
-    ``uses`` (1 byte, 0 for an unkeyed block) and ``stamps`` (4 bytes, the
-    clock at its last release), indexed by block id; plus the `UseTable`.
+    heads of the `CLASSES` queues: O(CLASSES) per run of blocks evicted from
+    one queue. Per block: ``uses`` (1 byte, meaningful while the block is
+    keyed: set when it is published) and ``stamps`` (4 bytes, the clock at its
+    last release), indexed by block id; plus the `UseTable`.
     """
 
     __slots__ = ("classes", "clock", "stamps", "table", "uses")
@@ -119,32 +121,14 @@ class FrequencyPool(BlockPool):
     def queues(self) -> list[BlockQueue]:
         return list(self.classes)
 
-    def take(self, n: int, removed: list[bytes]) -> list[Block]:
-        free = self.free
-        k = len(free)
-        if n <= k:
-            taken = free[-1 : -n - 1 : -1]
-            del free[k - n :]
-        else:
-            taken = free[::-1]
-            free.clear()
-            victims = self._evict(n - k)
-            self._unkey(victims, removed)
-            taken += victims
-        for block in taken:
-            block.ref = 1
-        return taken
-
-    def _evict(self, n: int) -> list[Block]:
-        """Unlink ``n`` victims: each the queue head oldest in units of uses²
-        (the lowest class on a tie). Their counts go to the `UseTable`."""
+    def _victims(self, n: int) -> list[Block]:
+        """Each victim is the queue head oldest in units of uses² (the lowest
+        class on a tie). Nothing ages during one call, so only the popped
+        queue's score moves: a queue gives up a whole run of blocks while its
+        head still beats the others' heads."""
         clock = self.clock
         stamps = self.stamps
-        uses = self.uses
-        table = self.table
-        sampled = table.sampled
         classes = self.classes
-        # Nothing ages while one call evicts: only the popped queue's score moves.
         scores = [
             ((clock - stamps[q.head.next.block_id] + 1) & _STAMP_MASK) * _WEIGHT[c]  # type: ignore[union-attr]
             if q
@@ -152,27 +136,68 @@ class FrequencyPool(BlockPool):
             for c, q in enumerate(classes, 1)
         ]
         victims: list[Block] = []
-        for _ in range(n):
-            best = scores.index(max(scores))
-            queue = classes[best]
-            block = queue.head.next
-            assert block is not None
-            BlockQueue.remove(block)
-            victims.append(block)
-            bid = block.block_id
-            key = block.key
-            assert key is not None
-            if sampled(key):
-                table.remember(key, uses[bid])
-            uses[bid] = 0
-            head = queue.head.next
-            assert head is not None
-            scores[best] = (
-                ((clock - stamps[head.block_id] + 1) & _STAMP_MASK) * _WEIGHT[best + 1]
-                if head is not queue.tail
-                else -1
+        push = victims.append
+        while n:
+            c = scores.index(max(scores))
+            # The head keeps winning while its age reaches `least`: it must beat
+            # the lower classes' heads and at least tie the higher ones'. A
+            # queue's stamps never decrease from head to tail.
+            weight = _WEIGHT[c + 1]
+            least = max(
+                max(scores[:c], default=-1) // weight + 1,
+                -(-max(scores[c + 1 :], default=-1) // weight),
+            )
+            queue = classes[c]
+            head = queue.head
+            tail = queue.tail
+            # Within the pool's queues every link is a block (sentinels included).
+            block: Block = head.next  # type: ignore[assignment]
+            start = len(victims)
+            while n and block is not tail:
+                push(block)
+                n -= 1
+                block = block.next  # type: ignore[assignment]
+            if least > 1:
+                # Stamps grow towards the tail: if the last block taken is old
+                # enough, so are all; else give back from the first too young.
+                last = victims[-1]
+                if ((clock - stamps[last.block_id] + 1) & _STAMP_MASK) < least:
+                    for i in range(start, len(victims)):
+                        if ((clock - stamps[victims[i].block_id] + 1) & _STAMP_MASK) < least:
+                            break
+                    block = victims[i]
+                    n += len(victims) - i
+                    del victims[i:]
+            head.next = block
+            block.prev = head
+            scores[c] = (
+                -1
+                if block is tail
+                else ((clock - stamps[block.block_id] + 1) & _STAMP_MASK) * weight
             )
         return victims
+
+    def _unkey(self, victims: list[Block], removed: list[bytes]) -> None:
+        """As `BlockPool._unkey` (one pass, for speed); the counts of sampled
+        keys go to the `UseTable`."""
+        uses = self.uses
+        table = self.table
+        mask = table.SAMPLE - 1
+        note = removed.append
+        for block in victims:
+            key = block.key
+            index = block.index
+            assert key is not None and index is not None
+            del index[key]
+            if not index and isinstance(index, PrefixIndex):
+                self.emptied.append(index)
+            note(key)
+            if not key[0] & mask:
+                table.remember(key, uses[block.block_id])
+            block.key = None
+            block.index = None
+        self.evictable -= len(victims)
+        self.evictions += len(victims)
 
     def match(self, hits: list[Block]) -> None:
         """Touch the hits of a new allocation, one more use each; the clock ticks."""
@@ -196,23 +221,24 @@ class FrequencyPool(BlockPool):
         block after them in ``blocks`` (a lower bound: see `UseTable`)."""
         uses = self.uses
         table = self.table
-        sampled = table.sampled
-        below = 0
+        mask = table.SAMPLE - 1
+        below = 1
         for block in reversed(blocks):
             key = block.key
             assert key is not None
-            if sampled(key):
-                below = table.recall(key)
-            uses[block.block_id] = below + 1 if below < CLASSES else CLASSES
+            if not key[0] & mask:
+                below = min(table.recall(key) + 1, CLASSES)
+            uses[block.block_id] = below
 
     def release(self, blocks: Iterable[Block]) -> None:
         """As `BlockPool.release`, each keyed block queued by its use count
         and stamped with the clock."""
-        classes = self.classes
         uses = self.uses
         stamps = self.stamps
         clock = self.clock & _STAMP_MASK
         free_push = self.free.append
+        # lasts[c]: the last block of class c's queue, linked forward as we go.
+        lasts: list[Block | None] = [None, *(q.tail.prev for q in self.classes)]
         queued = 0
         for block in blocks:
             ref = block.ref - 1
@@ -223,20 +249,20 @@ class FrequencyPool(BlockPool):
                 else:
                     bid = block.block_id
                     stamps[bid] = clock
-                    tail = classes[uses[bid] - 1].tail
-                    last = tail.prev
-                    assert last is not None
-                    last.next = block
+                    c = uses[bid]
+                    last = lasts[c]
+                    last.next = block  # type: ignore[union-attr]
                     block.prev = last
-                    block.next = tail
-                    tail.prev = block
+                    lasts[c] = block
                     queued += 1
-        self.evictable += queued
-
-    def drop_key(self, block: Block) -> None:
-        """As `BlockPool.drop_key`; a flushed key's count is forgotten."""
-        super().drop_key(block)
-        self.uses[block.block_id] = 0
+        if queued:
+            for c, queue in enumerate(self.classes, 1):
+                last = lasts[c]
+                tail = queue.tail
+                if tail.prev is not last:
+                    last.next = tail  # type: ignore[union-attr]
+                    tail.prev = last
+            self.evictable += queued
 
     def check(self, problems: list[str]) -> None:
         uses = self.uses
@@ -247,8 +273,6 @@ class FrequencyPool(BlockPool):
                     problems.append(f"block {block.block_id}: {u} uses but queued in class {c}")
         for block in self.blocks:
             u = uses[block.block_id]
-            if block.key is None and u:
-                problems.append(f"block {block.block_id}: unkeyed with {u} uses")
             if block.key is not None and not 1 <= u <= CLASSES:
                 problems.append(f"block {block.block_id}: keyed with {u} uses")
         if max(self.table.counters, default=0) > CLASSES:

@@ -68,12 +68,16 @@ class BlockPool:
         else:
             taken = free[::-1]
             free.clear()
-            victims = self.lru.popleft(n - k)
+            victims = self._victims(n - k)
             self._unkey(victims, removed)
             taken += victims
         for block in taken:
             block.ref = 1
         return taken
+
+    def _victims(self, n: int) -> list[Block]:
+        """Unlink the next ``n`` blocks to evict (at least ``n`` are evictable)."""
+        return self.lru.popleft(n)
 
     def _unkey(self, victims: list[Block], removed: list[bytes]) -> None:
         """Take evicted ``victims`` out of their indexes (see `take`)."""

@@ -133,16 +133,16 @@ def test_an_evicted_sampled_key_leaves_its_count_in_the_table() -> None:
     pool.take(1, removed)
     assert removed == [k]
     assert pool.table.recall(k) == 3
-    assert pool.uses[a.block_id] == 0 and a.key is None
+    assert a.key is None
 
 
-def test_drop_key_forgets_the_blocks_uses() -> None:
+def test_drop_key_frees_an_evictable_block_at_once() -> None:
     pool, index = FrequencyPool(2), PrefixIndex()
     (a,) = pool.take(1, [])
     cache(pool, index, [a], [key(1)])
     pool.release([a])
     pool.drop_key(a)
-    assert pool.uses[a.block_id] == 0 and a in pool.free and pool.evictable == 0
+    assert a in pool.free and pool.evictable == 0 and classes(pool) == [[]] * CLASSES
     problems: list[str] = []
     pool.check(problems)
     assert problems == []
