@@ -25,6 +25,10 @@ At the end every worker is killed, and the run passes when:
   between its warm-up sample and its last sample (see docs/reliability.md
   for why 16 MiB), and its open file descriptors by at most one per worker
   (a live session holds a pidfd; a leaked pidfd or socket shows here).
+  The warm-up sample is the first one taken once every worker holds a
+  session on that daemon: each attached worker adds a socket and a pidfd,
+  so a baseline taken while slow-starting workers were still importing
+  would count their attachment as growth.
 
 Prints a summary (operations, kills, restarts, errors by code, leaked blocks,
 RSS) and exits 0 on a pass, 1 otherwise. The daemon runs with its default
@@ -108,7 +112,9 @@ def open_fds(pid: int) -> int | None:
 class Daemon:
     """One kvd subprocess."""
 
-    def __init__(self, address: str, workdir: Path, overrides: dict[str, str], n: int) -> None:
+    def __init__(
+        self, address: str, workdir: Path, overrides: dict[str, str], n: int, workers: int
+    ) -> None:
         args = ["--address", address, "--log-format", "json"]
         for key, value in overrides.items():
             args += ["--set", f"{key}={value}"]
@@ -122,8 +128,11 @@ class Daemon:
                 cwd=ROOT,
                 env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
             )
+        self.workers = workers
+        #: Samples taken once every worker held a session here (see `sample_rss`).
         self.rss: list[tuple[float, int]] = []
         self.fds: list[tuple[float, int]] = []
+        self.attached = False
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -143,7 +152,18 @@ class Daemon:
         return reply.result
 
     def sample_rss(self) -> None:
-        """Sample the anonymous RSS and the open file descriptors."""
+        """Sample the anonymous RSS and the open file descriptors.
+
+        Nothing is recorded until every worker has held a session here at once:
+        until then the count grows by the workers' own sockets and pidfds.
+        """
+        if not self.attached:
+            reply = call(self.address, P.Clients(id=1), 1000)
+            if not isinstance(reply, P.OkReply):
+                return
+            self.attached = len(reply.result["info"]["sessions"]) >= self.workers
+            if not self.attached:
+                return
         at = time.monotonic() - self.started
         kib, fds = rss_anon_kib(self.proc.pid), open_fds(self.proc.pid)
         if kib is not None:
@@ -188,7 +208,7 @@ class Soak:
         return self.daemons[-1]
 
     def start_daemon(self) -> None:
-        daemon = Daemon(self.address, self.workdir, self.overrides, len(self.daemons))
+        daemon = Daemon(self.address, self.workdir, self.overrides, len(self.daemons), self.slots)
         self.daemons.append(daemon)
         daemon.wait_ready()
 
@@ -259,6 +279,14 @@ class Soak:
         self.start_daemon()
         for slot in range(self.slots):
             self.start_worker(slot)
+        # The run starts once every worker is attached (starting one takes seconds
+        # on a loaded machine), so the first daemon gets its warm-up sample too.
+        deadline = time.monotonic() + 60
+        while not self.daemon.attached:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.slots} workers did not all attach within 60 s")
+            self.daemon.sample_rss()
+            time.sleep(0.1)
         t0 = time.monotonic()
         end = t0 + args.duration
         restarts = [(t0 + 0.4 * args.duration, "term"), (t0 + 0.7 * args.duration, "kill")]
