@@ -160,3 +160,11 @@ def test_kvds_engine_evicts_exactly_like_the_lru_simulation(trace: Trace, capaci
     engine = replay_kvd(trace, capacity, eviction="lru")
     assert engine.hit_tokens == simulate_lru(trace, capacity, duplicates=False).hit_tokens
     assert engine.refused == simulate_lru(trace, capacity).refused
+
+
+@settings(max_examples=15, deadline=None)
+@given(trace=traces, capacity=st.integers(33, 90))
+def test_kvds_default_eviction_never_beats_the_optimum(trace: Trace, capacity: int) -> None:
+    engine = replay_kvd(trace, capacity)
+    assert engine.hit_tokens <= simulate_optimum(trace, capacity).hit_tokens
+    assert engine.refused == simulate_lru(trace, capacity).refused
