@@ -217,7 +217,9 @@ def _tokens(tokens: npt.ArrayLike) -> npt.NDArray[np.int32]:
 
 
 def _frozen(arr: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
-    arr.flags.writeable = False
+    """``arr``, read-only (decoded tables already are: setting the flag costs ~10x reading it)."""
+    if arr.flags.writeable:
+        arr.flags.writeable = False
     return arr
 
 
@@ -282,6 +284,8 @@ class Session:
 
     def deliver_notices(self) -> None:
         """Hand queued notices to the callback (after the operation completed)."""
+        if not self._notices:  # the common case: nothing arrived
+            return
         notices, self._notices = self._notices, []
         if self.on_notice is not None:
             for notice in notices:

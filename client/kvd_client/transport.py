@@ -93,16 +93,17 @@ class BlockingTransport:
         self._timeout_ms = -1
 
     def _set_timeout(self, ms: int) -> None:
-        if ms != self._timeout_ms:
-            self._sock.setsockopt(zmq.SNDTIMEO, ms)
-            self._sock.setsockopt(zmq.RCVTIMEO, ms)
-            self._timeout_ms = ms
+        self._sock.setsockopt(zmq.SNDTIMEO, ms)
+        self._sock.setsockopt(zmq.RCVTIMEO, ms)
+        self._timeout_ms = ms
 
     def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:
         """Send ``out`` and return its reply; `DaemonUnavailable` after ``timeout`` seconds."""
         frames = session.encode(out)
         sock = self._sock
-        self._set_timeout(max(1, int(timeout * 1000)))
+        ms = max(1, int(timeout * 1000))
+        if ms != self._timeout_ms:  # the same every call but after a notice
+            self._set_timeout(ms)
         deadline = 0.0
         try:
             _send_frames(sock, frames)
@@ -115,7 +116,9 @@ class BlockingTransport:
                 deadline = deadline or now + timeout
                 if now >= deadline:
                     break
-                self._set_timeout(max(1, int((deadline - now) * 1000)))
+                ms = max(1, int((deadline - now) * 1000))
+                if ms != self._timeout_ms:
+                    self._set_timeout(ms)
         except zmq.Again:
             pass
         raise DaemonUnavailable(self.address, timeout)

@@ -19,24 +19,29 @@ __all__ = ["LatencyHistogram", "RpcStats"]
 
 _SUB: Final = 8  # sub-buckets per power of two
 _SUB_BITS: Final = 3
+_MASK: Final = _SUB - 1
 _BUCKETS: Final = 64 * _SUB
 
 
 class LatencyHistogram:
     """Durations in nanoseconds, bucketed log-linearly."""
 
-    __slots__ = ("count", "counts")
+    __slots__ = ("counts",)
 
     def __init__(self) -> None:
         self.counts = [0] * _BUCKETS
-        self.count = 0
+
+    @property
+    def count(self) -> int:
+        """How many durations it holds (summed when read: recording stays one increment)."""
+        return sum(self.counts)
 
     @staticmethod
     def _index(ns: int) -> int:
         if ns < _SUB:
             return max(ns, 0)
         bits = ns.bit_length()
-        return (bits - _SUB_BITS) * _SUB + ((ns >> (bits - 1 - _SUB_BITS)) & (_SUB - 1))
+        return (bits - _SUB_BITS) * _SUB + ((ns >> (bits - 1 - _SUB_BITS)) & _MASK)
 
     @staticmethod
     def _midpoint(index: int) -> float:
@@ -49,20 +54,19 @@ class LatencyHistogram:
     def record(self, ns: int) -> None:
         """Add one duration."""
         self.counts[self._index(ns)] += 1
-        self.count += 1
 
     def merge(self, other: LatencyHistogram) -> LatencyHistogram:
         """A new histogram holding both."""
         out = LatencyHistogram()
         out.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
-        out.count = self.count + other.count
         return out
 
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile in nanoseconds (None when empty)."""
-        if not self.count:
+        count = self.count
+        if not count:
             return None
-        rank = q * (self.count - 1)
+        rank = q * (count - 1)
         seen = 0
         for index, n in enumerate(self.counts):
             seen += n
@@ -72,21 +76,32 @@ class LatencyHistogram:
 
 
 class RpcStats:
-    """Requests, operations, errors by code and service time."""
+    """Requests, operations, errors by code and service time.
+
+    `record` runs once per request in the request thread, so it is kept to a
+    few increments and one clock read: the request count is the sum of the
+    per-kind counts, and the histogram's bucket is computed inline.
+    """
 
     def __init__(self, *, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self.clock = clock
-        self.requests = 0
         self.ops = 0
         self.errors: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()
         self._window_start = clock()
+        self._window_end = self._window_start + window_s
         self._current = LatencyHistogram()
+        self._counts = self._current.counts
         self._previous = LatencyHistogram()
         self._ops_current = 0
         self._ops_previous = 0
         self._previous_span = 0.0
+
+    @property
+    def requests(self) -> int:
+        """Requests recorded since start."""
+        return sum(self.kinds.values())
 
     def _rotate(self, now: float) -> None:
         span = now - self._window_start
@@ -98,15 +113,21 @@ class RpcStats:
             self._previous, self._ops_previous = self._current, self._ops_current
             self._previous_span = span
         self._current, self._ops_current = LatencyHistogram(), 0
+        self._counts = self._current.counts
         self._window_start = now
+        self._window_end = now + self.window_s
 
     def record(self, kind: str, ns: int, ops: int = 1) -> None:
         """One request of ``kind`` that carried ``ops`` operations took ``ns``."""
-        self.requests += 1
-        self.ops += ops
         self.kinds[kind] += 1
-        self._rotate(self.clock())
-        self._current.record(ns)
+        self.ops += ops
+        if self.clock() >= self._window_end:
+            self._rotate(self.clock())
+        if ns < _SUB:
+            self._counts[max(ns, 0)] += 1
+        else:
+            bits = ns.bit_length()
+            self._counts[(bits - _SUB_BITS) * _SUB + ((ns >> (bits - 1 - _SUB_BITS)) & _MASK)] += 1
         self._ops_current += ops
 
     def error(self, code: str) -> None:
