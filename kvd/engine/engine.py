@@ -48,6 +48,8 @@ _EMPTY.flags.writeable = False
 #: Small arrays are checked through a list: numpy's reductions cost more.
 _SMALL = 16
 _KEY = operator.attrgetter("key")
+#: The pool class of each ``EngineConfig.eviction`` setting.
+_POOLS: dict[str, type[BlockPool]] = {pool.policy: pool for pool in (BlockPool, FrequencyPool)}
 _BLOCK_ID = operator.attrgetter("block_id")
 
 
@@ -133,9 +135,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self._pool = (FrequencyPool if config.eviction == "frequency" else BlockPool)(
-            config.num_blocks
-        )
+        self._pool = _POOLS[config.eviction](config.num_blocks)
         self._hasher = BlockHasher(config.block_size, config.hash_seed)
         self._sessions: dict[int, Session] = {}
         self._namespaces: dict[str, Namespace] = {}

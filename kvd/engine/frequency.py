@@ -1,4 +1,6 @@
-"""The default eviction policy: LRU queues by use count (see bench/README.md, "Eviction").
+"""The default eviction policy: LRU queues by use count.
+
+bench/README.md, "Trace replay and eviction", has the measurements behind it.
 
 A cached block's *uses* count the times its key was matched by an allocation
 or published by a commit, over the key's whole life (evictions included),
@@ -57,7 +59,9 @@ class UseTable:
 
     __slots__ = ("counters", "size", "writes")
 
+    #: A power of two: the hot paths test ``key[0] & (SAMPLE - 1)``.
     SAMPLE = 64
+    #: Counters per sampled key (`_slots`).
     PROBES = 2
     BYTES_PER_BLOCK = 4
 
