@@ -134,9 +134,9 @@ class FrequencyPool(BlockPool):
         stamps = self.stamps
         classes = self.classes
         scores = [
-            ((clock - stamps[q.head.next.block_id] + 1) & _STAMP_MASK) * _WEIGHT[c]  # type: ignore[union-attr]
-            if q
-            else -1
+            -1
+            if (h := q.head.next) is q.tail
+            else ((clock - stamps[h.block_id] + 1) & _STAMP_MASK) * _WEIGHT[c]  # type: ignore[union-attr]
             for c, q in enumerate(classes, 1)
         ]
         victims: list[Block] = []
@@ -242,7 +242,8 @@ class FrequencyPool(BlockPool):
         clock = self.clock & _STAMP_MASK
         free_push = self.free.append
         # lasts[c]: the last block of class c's queue, linked forward as we go.
-        lasts: list[Block | None] = [None, *(q.tail.prev for q in self.classes)]
+        lasts: list[Block | None] = [None]
+        lasts += [q.tail.prev for q in self.classes]
         queued = 0
         for block in blocks:
             ref = block.ref - 1
