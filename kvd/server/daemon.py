@@ -182,6 +182,7 @@ class Daemon:
                 hash_seed=self.config.cache.hash_seed,
                 watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
                 events=self.config.events.enabled,
+                eviction=self.config.cache.eviction,
             )
         )
         for ns, limits in adm.namespaces.items():

@@ -988,6 +988,7 @@ class Dispatcher:
                     "hit_tokens": es.hit_tokens,
                     "hit_ratio": round(es.hit_ratio, 4),
                     "evictions": es.evictions,
+                    "eviction_policy": self.pools[name].engine.config.eviction,
                 }
                 for name, es in engine.items()
             },

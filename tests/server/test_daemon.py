@@ -223,3 +223,8 @@ def test_sighup_rereads_the_config_file(start_kvd, kvd_workdir) -> None:
         assert daemon.proc.poll() is None
         time.sleep(0.01)
     assert daemon.check()["ok"] is True
+
+
+def test_cache_eviction_setting_reaches_the_engine(start_kvd) -> None:
+    d = start_kvd(overrides={"cache.eviction": "lru"})
+    assert d.stats()["prefix"]["default"]["eviction_policy"] == "lru"
