@@ -483,13 +483,7 @@ def simulate_freq_classes(
         take = min(free, need)
         free -= take
         for _ in range(need - take):
-            best, oldest = 0, -1.0
-            for c, queue in enumerate(queues):
-                if queue:
-                    age = (now - queue[next(iter(queue))] + 1) * scale[c]
-                    if age > oldest:
-                        best, oldest = c, age
-            key, _ = queues[best].popitem(last=False)
+            key, _ = queues[_oldest_class(queues, now, scale)].popitem(last=False)
             del where[key]
             if not ghost:
                 del uses[key]
@@ -503,6 +497,18 @@ def simulate_freq_classes(
         out.hit_tokens += hit * BLOCK
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _oldest_class(queues: list[OrderedDict[int, int]], now: int, scale: list[float]) -> int:
+    """The class whose queue head has the largest age (requests since its last use,
+    plus one) times its class's ``scale``: the one to evict from."""
+    best, oldest = 0, -1.0
+    for c, queue in enumerate(queues):
+        if queue:
+            age = (now - queue[next(iter(queue))] + 1) * scale[c]
+            if age > oldest:
+                best, oldest = c, age
+    return best
 
 
 _MASK64 = (1 << 64) - 1
@@ -575,13 +581,7 @@ def simulate_freq_classes_table(
         take = min(free, need)
         free -= take
         for _ in range(need - take):
-            best, oldest = 0, -1.0
-            for c, queue in enumerate(queues):
-                if queue:
-                    age = (now - queue[next(iter(queue))] + 1) * scale[c]
-                    if age > oldest:
-                        best, oldest = c, age
-            key, _ = queues[best].popitem(last=False)
+            key, _ = queues[_oldest_class(queues, now, scale)].popitem(last=False)
             f = uses.pop(key)
             where = slots(key)
             if where is None:
