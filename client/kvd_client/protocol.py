@@ -1128,6 +1128,10 @@ def _peek_id(body: Any) -> int | None:
     return None
 
 
+#: The extra frames of a message that has none (shared: never appended to).
+_NO_EXTRAS: Final[tuple[bytes, ...]] = ()
+
+
 def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
     """Decode a client's frames (routing id already removed).
 
@@ -1147,7 +1151,7 @@ def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
     if cls is None:
         raise ProtocolError(Code.UNKNOWN_KIND, f"unknown kind 0x{kind_frame[0]:02x}", req_id)
     try:
-        extras = [bytes(f) for f in frames[2:]]
+        extras = [bytes(f) for f in frames[2:]] if len(frames) > 2 else _NO_EXTRAS
         return cls.from_map(body, extras)
     except ProtocolError as exc:
         exc.req_id = req_id
