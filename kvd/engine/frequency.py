@@ -99,6 +99,19 @@ class UseTable:
             self.writes = 0
 
 
+def _unlink_run(head: Block, n: int) -> list[Block]:
+    """Unlink and return the ``n`` blocks after ``head`` (at least ``n`` queued)."""
+    out: list[Block] = []
+    push = out.append
+    block: Block = head.next  # type: ignore[assignment]
+    for _ in range(n):
+        push(block)
+        block = block.next  # type: ignore[assignment]
+    head.next = block
+    block.prev = head
+    return out
+
+
 class FrequencyPool(BlockPool):
     """`BlockPool` with one LRU queue per use count (module docstring).
 
@@ -109,7 +122,7 @@ class FrequencyPool(BlockPool):
     last release), indexed by block id; plus the `UseTable`.
     """
 
-    __slots__ = ("classes", "clock", "stamps", "table", "uses")
+    __slots__ = ("classes", "clock", "ends", "stamps", "table", "tails", "uses")
 
     policy = "frequency"
 
@@ -117,6 +130,10 @@ class FrequencyPool(BlockPool):
         super().__init__(num_blocks)
         #: classes[c - 1] queues the evictable blocks used c times; lru is classes[0].
         self.classes = [self.lru] + [BlockQueue() for _ in range(CLASSES - 1)]
+        #: (head, tail, weight) of each class, in class order, for `_victims`.
+        self.ends = [(q.head, q.tail, _WEIGHT[c]) for c, q in enumerate(self.classes, 1)]
+        #: tails[c]: class c's tail sentinel (tails[0] unused), for `release`.
+        self.tails: list[Block] = [self.lru.tail] + [q.tail for q in self.classes]
         self.uses = bytearray(num_blocks)
         self.stamps = array("I", bytes(4 * num_blocks))
         self.clock = 0
@@ -130,54 +147,51 @@ class FrequencyPool(BlockPool):
         class on a tie). Nothing ages during one call, so only the popped
         queue's score moves: a queue gives up a whole run of blocks while its
         head still beats the others' heads."""
-        clock = self.clock
+        clock = self.clock + 1
         stamps = self.stamps
-        classes = self.classes
+        ends = self.ends
+        # Within the pool's queues every link is a block (sentinels included).
         scores = [
-            -1
-            if (h := q.head.next) is q.tail
-            else ((clock - stamps[h.block_id] + 1) & _STAMP_MASK) * _WEIGHT[c]  # type: ignore[union-attr]
-            for c, q in enumerate(classes, 1)
+            -1 if (h := head.next) is tail else ((clock - stamps[h.block_id]) & _STAMP_MASK) * w  # type: ignore[union-attr]
+            for head, tail, w in ends
         ]
+        if scores.count(-1) == CLASSES - 1:
+            # One queue holds every evictable block: the run is its first n.
+            head, tail, _ = ends[scores.index(max(scores))]
+            return _unlink_run(head, n)
         victims: list[Block] = []
         push = victims.append
         while n:
             c = scores.index(max(scores))
+            head, tail, weight = ends[c]
             # The head keeps winning while its age reaches `least`: it must beat
-            # the lower classes' heads and at least tie the higher ones'. A
-            # queue's stamps never decrease from head to tail.
-            weight = _WEIGHT[c + 1]
-            least = max(
-                max(scores[:c], default=-1) // weight + 1,
-                -(-max(scores[c + 1 :], default=-1) // weight),
-            )
-            queue = classes[c]
-            head = queue.head
-            tail = queue.tail
-            # Within the pool's queues every link is a block (sentinels included).
+            # the runner-up (the best other head, the lowest class on a tie) if
+            # that is of a lower class, and at least tie it if of a higher one.
+            # A queue's stamps never decrease from head to tail.
+            top = scores[c]
+            scores[c] = -1
+            second = max(scores)
+            least = second // weight + 1 if scores.index(second) < c else -(-second // weight)
+            scores[c] = top
             block: Block = head.next  # type: ignore[assignment]
             start = len(victims)
             while n and block is not tail:
                 push(block)
                 n -= 1
                 block = block.next  # type: ignore[assignment]
-            if least > 1:
-                # Stamps grow towards the tail: if the last block taken is old
-                # enough, so are all; else give back from the first too young.
-                last = victims[-1]
-                if ((clock - stamps[last.block_id] + 1) & _STAMP_MASK) < least:
-                    for i in range(start, len(victims)):
-                        if ((clock - stamps[victims[i].block_id] + 1) & _STAMP_MASK) < least:
-                            break
-                    block = victims[i]
-                    n += len(victims) - i
-                    del victims[i:]
+            if least > 1 and (clock - stamps[victims[-1].block_id]) & _STAMP_MASK < least:
+                # Stamps grow towards the tail: the last block taken is too
+                # young, so give back from the first too young.
+                for i in range(start, len(victims)):
+                    if (clock - stamps[victims[i].block_id]) & _STAMP_MASK < least:
+                        break
+                block = victims[i]
+                n += len(victims) - i
+                del victims[i:]
             head.next = block
             block.prev = head
             scores[c] = (
-                -1
-                if block is tail
-                else ((clock - stamps[block.block_id] + 1) & _STAMP_MASK) * weight
+                -1 if block is tail else ((clock - stamps[block.block_id]) & _STAMP_MASK) * weight
             )
         return victims
 
@@ -188,13 +202,14 @@ class FrequencyPool(BlockPool):
         table = self.table
         mask = table.SAMPLE - 1
         note = removed.append
+        emptied = self.emptied
         for block in victims:
-            key = block.key
-            index = block.index
-            assert key is not None and index is not None
+            # Evictable blocks are keyed and indexed (check_invariants).
+            key: bytes = block.key  # type: ignore[assignment]
+            index: dict[bytes, Block] = block.index  # type: ignore[assignment]
             del index[key]
             if not index and isinstance(index, PrefixIndex):
-                self.emptied.append(index)
+                emptied.append(index)
             note(key)
             if not key[0] & mask:
                 table.remember(key, uses[block.block_id])
@@ -207,16 +222,21 @@ class FrequencyPool(BlockPool):
         """Touch the hits of a new allocation, one more use each; the clock ticks."""
         self.clock += 1
         uses = self.uses
-        remove = BlockQueue.remove
         pulled = 0
         for block in hits:
-            if block.ref == 0:
-                remove(block)
+            ref = block.ref
+            if ref == 0:
+                # BlockQueue.remove inline (links of a held block are meaningless).
+                prev: Block = block.prev  # type: ignore[assignment]
+                nxt: Block = block.next  # type: ignore[assignment]
+                prev.next = nxt
+                nxt.prev = prev
                 pulled += 1
-            block.ref += 1
+            block.ref = ref + 1
             bid = block.block_id
-            if uses[bid] < CLASSES:
-                uses[bid] += 1
+            u = uses[bid]
+            if u < CLASSES:
+                uses[bid] = u + 1
         self.evictable -= pulled
 
     def publish(self, blocks: Sequence[Block]) -> None:
@@ -228,8 +248,7 @@ class FrequencyPool(BlockPool):
         mask = table.SAMPLE - 1
         below = 1
         for block in reversed(blocks):
-            key = block.key
-            assert key is not None
+            key: bytes = block.key  # type: ignore[assignment]
             if not key[0] & mask:
                 below = min(table.recall(key) + 1, CLASSES)
             uses[block.block_id] = below
@@ -241,9 +260,12 @@ class FrequencyPool(BlockPool):
         stamps = self.stamps
         clock = self.clock & _STAMP_MASK
         free_push = self.free.append
-        # lasts[c]: the last block of class c's queue, linked forward as we go.
-        lasts: list[Block | None] = [None]
-        lasts += [q.tail.prev for q in self.classes]
+        tails = self.tails
+        # Released blocks come in runs of one class: `last` is the last block
+        # of class `cur`'s queue, linked forward as we go; a run is closed
+        # (linked to its tail) when the class changes.
+        cur = 0
+        last: Block = tails[0]
         queued = 0
         for block in blocks:
             ref = block.ref - 1
@@ -255,18 +277,21 @@ class FrequencyPool(BlockPool):
                     bid = block.block_id
                     stamps[bid] = clock
                     c = uses[bid]
-                    last = lasts[c]
-                    last.next = block  # type: ignore[union-attr]
+                    if c != cur:
+                        if cur:
+                            tail = tails[cur]
+                            last.next = tail
+                            tail.prev = last
+                        cur = c
+                        last = tails[c].prev  # type: ignore[assignment]
+                    last.next = block
                     block.prev = last
-                    lasts[c] = block
+                    last = block
                     queued += 1
         if queued:
-            for c, queue in enumerate(self.classes, 1):
-                last = lasts[c]
-                tail = queue.tail
-                if tail.prev is not last:
-                    last.next = tail  # type: ignore[union-attr]
-                    tail.prev = last
+            tail = tails[cur]
+            last.next = tail
+            tail.prev = last
             self.evictable += queued
 
     def check(self, problems: list[str]) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvd.engine.block import Block
 from kvd.engine.frequency import CLASSES, FrequencyPool, UseTable
 from kvd.engine.prefix_index import PrefixIndex
@@ -102,7 +107,7 @@ def test_eviction_takes_the_head_oldest_in_units_of_uses_squared() -> None:
     a, b = pool.take(2, [])
     cache(pool, index, [a, b], [key(1), key(2)])
     pool.match([a])  # a: 2 uses, released at clock 1: age 3 at clock 3, scaled 3 / 4
-    pool.release([a])
+    pool.release([a, a])
     pool.match([])
     pool.release([b])  # 1 use, released at clock 2: age 2, scaled 2 / 1
     pool.match([])
@@ -114,11 +119,28 @@ def test_a_tie_evicts_from_the_lower_class() -> None:
     a, b = pool.take(2, [])
     cache(pool, index, [a, b], [key(1), key(2)])
     pool.match([a])  # a: 2 uses, released 3 ticks before b: ages 4 / 4 == 1 / 1
-    pool.release([a])
+    pool.release([a, a])
     for _ in range(3):
         pool.match([])
     pool.release([b])
     assert pool.take(1, []) == [b]
+
+
+def test_a_run_from_one_queue_stops_at_a_tie_with_a_lower_class() -> None:
+    pool, index = FrequencyPool(3), PrefixIndex()
+    a, b, x = pool.take(3, [])
+    cache(pool, index, [a, b, x], [key(1), key(2), key(3)])
+    pool.match([a, b])  # 2 uses each; the clock is 1
+    pool.release([a, a])
+    for _ in range(4):
+        pool.match([])
+    pool.release([b, b])
+    for _ in range(3):
+        pool.match([])
+    pool.release([x])
+    # At clock 8 the ages are a 8, b 4, x 1: a scales to 2 and goes first,
+    # then b's 4 / 4 ties x's 1 / 1 and the lower class goes.
+    assert pool.take(3, []) == [a, x, b]
 
 
 def test_an_evicted_sampled_key_leaves_its_count_in_the_table() -> None:
@@ -146,3 +168,58 @@ def test_drop_key_frees_an_evictable_block_at_once() -> None:
     problems: list[str] = []
     pool.check(problems)
     assert problems == []
+
+
+def reference_victims(pool: FrequencyPool, n: int) -> list[Block]:
+    """The next ``n`` victims by the policy's definition, one block at a time:
+    the queue head with the largest age / uses² (the lowest class on a tie)."""
+    queues = [list(q) for q in pool.queues()]
+    out: list[Block] = []
+    for _ in range(n):
+        scores = [
+            Fraction(pool.clock - pool.stamps[q[0].block_id] + 1, c**2) if q else Fraction(-1)
+            for c, q in enumerate(queues, 1)
+        ]
+        out.append(queues[scores.index(max(scores))].pop(0))
+    return out
+
+
+#: Allocations on a small pool: (ticks, hits, new blocks, sampled, kept), each
+#: after ``ticks`` allocations that hit nothing and take nothing (the clock
+#: ticks). Each matches up to ``hits`` cached blocks (more uses), takes the new
+#: blocks (evicting), publishes them (every other key sampled if asked) and,
+#: unless kept, releases them all at once, last first; a kept allocation
+#: releases the oldest kept one.
+allocations = st.lists(
+    st.tuples(
+        st.integers(0, 6), st.integers(0, 3), st.integers(0, 6), st.booleans(), st.booleans()
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(allocations=allocations)
+def test_eviction_takes_the_blocks_of_one_head_comparison_per_block(
+    allocations: list[tuple[int, int, int, bool, bool]],
+) -> None:
+    pool, index = FrequencyPool(12), PrefixIndex()
+    kept: list[list[Block]] = []
+    serial = 0
+    for ticks, hits, new, sampled, keep in allocations:
+        for _ in range(ticks):
+            pool.match([])
+        cached = [b for b in pool.blocks if b.key is not None][serial % 5 :][:hits]
+        pool.match(cached)
+        n = min(new, pool.available())
+        expected = pool.free[::-1][:n] + reference_victims(pool, max(0, n - len(pool.free)))
+        taken = pool.take(n, [])
+        assert taken == expected
+        cache(pool, index, taken, [key(serial + i, sampled and i % 2 == 0) for i in range(n)])
+        serial += n
+        kept.append(cached + taken)
+        if not keep or len(kept) > 3:
+            pool.release(reversed(kept.pop(-1 if not keep else 0)))
+        problems: list[str] = []
+        pool.check(problems)
+        assert problems == []
