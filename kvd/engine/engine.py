@@ -302,7 +302,7 @@ class Engine:
         reservations, the watermark (for new allocations) and the unmet
         minimums of other accounts."""
         pool = self._pool
-        avail = len(pool.free) + pool.evictable - self._outstanding
+        avail = len(pool.free) + pool.unborn + pool.evictable - self._outstanding
         if new:
             avail -= self._watermark
         if self._minimums:
@@ -787,7 +787,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters (plain data)."""
         pool = self._pool
-        free = len(pool.free)
+        free = len(pool.free) + pool.unborn
         evictable = pool.evictable
         return EngineStats(
             blocks_total=pool.num_blocks,
@@ -969,9 +969,14 @@ class Engine:
         if pinned != len(self._pins):
             problems.append(f"{len(self._pins)} pinned blocks counted, recomputed {pinned}")
         in_use = sum(1 for b in blocks if b.ref > 0)
-        if len(free_ids) + len(lru_ids) + in_use != pool.num_blocks:
+        if len(blocks) + pool.unborn != pool.num_blocks:
+            problems.append(f"{len(blocks)} blocks created + {pool.unborn} unborn != total")
+        if any(b.block_id != i for i, b in enumerate(blocks)):
+            problems.append("a created block is not at its id's place")
+        if len(free_ids) + pool.unborn + len(lru_ids) + in_use != pool.num_blocks:
             problems.append(
-                f"free {len(free_ids)} + evictable {len(lru_ids)} + in use {in_use} "
+                f"free {len(free_ids)} + unborn {pool.unborn} + evictable {len(lru_ids)} "
+                f"+ in use {in_use} "
                 f"!= total {pool.num_blocks}"
             )
         if problems:

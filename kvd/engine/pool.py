@@ -20,7 +20,11 @@ class BlockPool:
     """Owns the blocks of one pool and moves them between three states.
 
     - *free*: ``ref == 0`` and no key, on the ``free`` stack (taken first,
-      most recently freed first: its memory is likely still warm);
+      most recently freed first: its memory is likely still warm), or not
+      yet created: the ``unborn`` blocks past ``len(blocks)`` are created on
+      first use, in id order, after the stack runs out (a 1M-block pool is
+      ready in milliseconds, not the second a million records take; the
+      order is the one a stack of every block, 0 on top, would give);
     - *evictable*: ``ref == 0`` with a key, in an eviction queue (here the
       one ``lru`` queue, least recently released at the head), still
       matchable until taken; ``evictable`` counts them;
@@ -30,16 +34,26 @@ class BlockPool:
     (`available`), so nothing here can fail halfway.
     """
 
-    __slots__ = ("blocks", "emptied", "evictable", "evictions", "free", "lru", "num_blocks")
+    __slots__ = (
+        "blocks",
+        "emptied",
+        "evictable",
+        "evictions",
+        "free",
+        "lru",
+        "num_blocks",
+        "unborn",
+    )
 
     #: The ``eviction`` setting that selects this class.
     policy = "lru"
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Reversed so that the first allocations get blocks 0, 1, 2, ...
-        self.free: list[Block] = self.blocks[::-1]
+        #: Every block created so far; ``blocks[i].block_id == i``.
+        self.blocks: list[Block] = []
+        self.unborn = num_blocks
+        self.free: list[Block] = []
         self.lru = BlockQueue()
         self.evictable = 0
         self.evictions = 0
@@ -47,8 +61,8 @@ class BlockPool:
         self.emptied: list[PrefixIndex] = []
 
     def available(self) -> int:
-        """Blocks that can be taken now: free plus evictable."""
-        return len(self.free) + self.evictable
+        """Blocks that can be taken now: free (unborn included) plus evictable."""
+        return len(self.free) + self.unborn + self.evictable
 
     def queues(self) -> list[BlockQueue]:
         """The eviction queues (for `check_invariants` and tests)."""
@@ -68,12 +82,23 @@ class BlockPool:
         else:
             taken = free[::-1]
             free.clear()
-            victims = self._victims(n - k)
-            self._unkey(victims, removed)
-            taken += victims
+            if self.unborn:
+                taken += self._create(min(n - k, self.unborn))
+            if len(taken) < n:
+                victims = self._victims(n - len(taken))
+                self._unkey(victims, removed)
+                taken += victims
         for block in taken:
             block.ref = 1
         return taken
+
+    def _create(self, n: int) -> list[Block]:
+        """The next ``n`` unborn blocks, in id order (``n <= unborn``)."""
+        start = len(self.blocks)
+        born = [Block(i) for i in range(start, start + n)]
+        self.blocks += born
+        self.unborn -= n
+        return born
 
     def _victims(self, n: int) -> list[Block]:
         """Unlink the next ``n`` blocks to evict (at least ``n`` are evictable)."""

@@ -50,6 +50,7 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
     return {
         "blocks": [(b.ref, eng._pins.get(b, 0), b.key, b.index is not None) for b in pool.blocks],
         "free": [b.block_id for b in pool.free],
+        "unborn": pool.unborn,
         "queues": [[b.block_id for b in q] for q in pool.queues()],
         "policy": (
             (bytes(pool.uses), pool.stamps.tobytes(), pool.clock, bytes(pool.table.counters))

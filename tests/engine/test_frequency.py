@@ -212,9 +212,12 @@ def test_eviction_takes_the_blocks_of_one_head_comparison_per_block(
         cached = [b for b in pool.blocks if b.key is not None][serial % 5 :][:hits]
         pool.match(cached)
         n = min(new, pool.available())
-        expected = pool.free[::-1][:n] + reference_victims(pool, max(0, n - len(pool.free)))
+        expected = [b.block_id for b in pool.free[::-1][:n]]
+        born = min(pool.unborn, n - len(expected))
+        expected += range(len(pool.blocks), len(pool.blocks) + born)
+        expected += [b.block_id for b in reference_victims(pool, n - len(expected))]
         taken = pool.take(n, [])
-        assert taken == expected
+        assert [b.block_id for b in taken] == expected
         cache(pool, index, taken, [key(serial + i, sampled and i % 2 == 0) for i in range(n)])
         serial += n
         kept.append(cached + taken)

@@ -19,6 +19,21 @@ def test_a_new_pool_is_all_free_and_hands_out_low_ids_first() -> None:
     assert [b.block_id for b in pool.take(2, [])] == [0, 1]
 
 
+def test_blocks_are_created_on_first_use() -> None:
+    pool = BlockPool(1_000_000)
+    assert pool.blocks == [] and pool.unborn == 1_000_000
+    pool.take(3, [])
+    assert [b.block_id for b in pool.blocks] == [0, 1, 2]
+    assert pool.unborn == 999_997 and pool.available() == 999_997
+
+
+def test_a_freed_block_is_taken_before_an_unborn_one() -> None:
+    pool = BlockPool(4)
+    _, b = pool.take(2, [])
+    pool.release([b])
+    assert [x.block_id for x in pool.take(2, [])] == [b.block_id, 2]
+
+
 def test_taken_blocks_have_one_holder() -> None:
     pool = BlockPool(4)
     assert [b.ref for b in pool.take(3, [])] == [1, 1, 1]
