@@ -72,3 +72,12 @@ def test_run_daemon_serves_until_the_block_ends() -> None:
     assert not Path(daemon.event("pool_ready")["path"]).exists()
     with pytest.raises(ProcessLookupError):
         os.kill(daemon.pid, 0)
+
+
+def test_block_memory_layouts_index_every_key_to_its_block() -> None:
+    from bench.block_memory import records, struct_of_arrays
+
+    blocks, by_key = records(5)
+    _, _, _, keys, _, by_id = struct_of_arrays(5)
+    assert [by_key[k].block_id for k in keys] == [by_id[k] for k in keys] == list(range(5))
+    assert [b.key for b in blocks] == keys
