@@ -473,13 +473,7 @@ def simulate_freq_classes(
             out.refused += 1
             continue
         hit = _first_missing(keys, where.__contains__, (length - 1) // BLOCK)
-        resident = 0
-        for key in keys:
-            c = where.get(key)
-            if c is not None:
-                del queues[c][key]
-                resident += 1
-        need = nblocks - resident
+        need = nblocks - _pull_resident(keys, where, queues)
         take = min(free, need)
         free -= take
         for _ in range(need - take):
@@ -497,6 +491,20 @@ def simulate_freq_classes(
         out.hit_tokens += hit * BLOCK
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _pull_resident(
+    keys: Sequence[int], class_of: dict[int, int], queues: list[OrderedDict[int, int]]
+) -> int:
+    """Take a request's cached ``keys`` out of their class queues (``class_of``
+    maps a cached key to its class); how many there were."""
+    resident = 0
+    for key in keys:
+        c = class_of.get(key)
+        if c is not None:
+            del queues[c][key]
+            resident += 1
+    return resident
 
 
 def _oldest_class(queues: list[OrderedDict[int, int]], now: int, scale: list[float]) -> int:
@@ -571,13 +579,7 @@ def simulate_freq_classes_table(
             out.refused += 1
             continue
         hit = _first_missing(keys, uses.__contains__, (length - 1) // BLOCK)
-        resident = 0
-        for key in keys:
-            c = uses.get(key)
-            if c is not None:
-                del queues[c][key]
-                resident += 1
-        need = nblocks - resident
+        need = nblocks - _pull_resident(keys, uses, queues)
         take = min(free, need)
         free -= take
         for _ in range(need - take):

@@ -301,8 +301,7 @@ class Engine:
         """Blocks ``sess`` may take now: free + evictable, less everyone's
         reservations, the watermark (for new allocations) and the unmet
         minimums of other accounts."""
-        pool = self._pool
-        avail = len(pool.free) + pool.unborn + pool.evictable - self._outstanding
+        avail = self._pool.available() - self._outstanding
         if new:
             avail -= self._watermark
         if self._minimums:
@@ -787,7 +786,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters (plain data)."""
         pool = self._pool
-        free = len(pool.free) + pool.unborn
+        free = pool.num_free()
         evictable = pool.evictable
         return EngineStats(
             blocks_total=pool.num_blocks,

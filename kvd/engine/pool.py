@@ -60,8 +60,12 @@ class BlockPool:
         #: Indexes that evictions in `take` left empty, for the owner to collect.
         self.emptied: list[PrefixIndex] = []
 
+    def num_free(self) -> int:
+        """Free blocks: on the stack or unborn."""
+        return len(self.free) + self.unborn
+
     def available(self) -> int:
-        """Blocks that can be taken now: free (unborn included) plus evictable."""
+        """Blocks that can be taken now: free plus evictable."""
         return len(self.free) + self.unborn + self.evictable
 
     def queues(self) -> list[BlockQueue]:
