@@ -49,7 +49,7 @@ SEED = 20260501
 
 
 def layout_for(pool_bytes: int, small: bool = False) -> Any:
-    from kvd_client.layout import PoolLayout
+    from kvd_client.wire import PoolLayout
 
     geometry = dict(LLAMA3_8B)
     if small:  # the CPU dry run: the same code on a few MiB
@@ -180,8 +180,8 @@ def client(
     try:
         import msgpack
         import torch
-        from kvd_client.layout import PoolLayout
         from kvd_client.pool import open_pool
+        from kvd_client.wire import PoolLayout
 
         lay = PoolLayout.from_dict(layout)
         pool: Any = open_pool(msgpack.unpackb(wire, raw=False), lay)

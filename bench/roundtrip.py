@@ -29,8 +29,7 @@ from multiprocessing.synchronize import Event as EventType
 
 import numpy as np
 import zmq
-from kvd_client import Client
-from kvd_client import protocol as P
+from kvd_client import Client, wire
 
 from bench._common import Figure, machine, percentile, print_table, run_daemon, write_results
 
@@ -51,23 +50,23 @@ def capture(address: str) -> dict[str, Exchange]:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(address)
 
-    def ask(request: P.Request) -> tuple[list[bytes], list[bytes]]:
+    def ask(request: wire.Request) -> tuple[list[bytes], list[bytes]]:
         frames = request.encode()
         sock.send_multipart(frames)
         reply = sock.recv_multipart()
-        if reply[0][0] != P.Kind.OK:
+        if reply[0][0] != wire.Kind.OK:
             raise RuntimeError(f"daemon refused {type(request).__name__}: {reply}")
         return frames, reply
 
-    ask(P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="rt", pid=os.getpid()))
+    ask(wire.Hello(id=1, version=wire.PROTOCOL_VERSION, pool="default", name="rt", pid=os.getpid()))
     out = {
-        "ping": [ask(P.Ping(id=_ID))],
+        "ping": [ask(wire.Ping(id=_ID))],
         "allocate+free": [
-            ask(P.Allocate(id=_ID, seq="rt", tokens=TOKENS)),
-            ask(P.Free(id=_ID + 1, seq="rt")),
+            ask(wire.Allocate(id=_ID, seq="rt", tokens=TOKENS)),
+            ask(wire.Free(id=_ID + 1, seq="rt")),
         ],
     }
-    ask(P.Goodbye(id=2))
+    ask(wire.Goodbye(id=2))
     sock.close(linger=0)
     return out
 

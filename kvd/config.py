@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from kvd_client.layout import DTYPE_SIZES, PoolLayout
+from kvd_client.wire import DTYPE_SIZES, PoolLayout
 
 from kvd.errors import ConfigError
 

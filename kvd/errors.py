@@ -1,6 +1,6 @@
 """Daemon-side exceptions: each is reported as one clear line and exit code 1.
 
-Wire-level errors live in `kvd_client.protocol` (`ProtocolError`, `Code`);
+Wire-level errors live in `kvd_client.wire` (`ProtocolError`, `Code`);
 the engine's own caller mistakes in `kvd.engine.errors`. These are the
 daemon's failures to *start*: a bad configuration, a pool that does not
 fit, a live daemon already serving the address.

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.memory.shm import remove_stale
 from kvd.server.transport import instance_id
@@ -56,7 +56,7 @@ def raw_call(address: str, frames: list[bytes], timeout_ms: int = 5000) -> Any:
         sock.send_multipart(frames)
         if not sock.poll(timeout_ms):
             return None
-        return P.decode_reply(sock.recv_multipart())
+        return wire.decode_reply(sock.recv_multipart())
     finally:
         sock.close(0)
 
@@ -94,24 +94,24 @@ class KvdProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
-            reply = raw_call(self.address, P.Ping(id=1).encode(), timeout_ms=200)
-            if isinstance(reply, P.OkReply):
+            reply = raw_call(self.address, wire.Ping(id=1).encode(), timeout_ms=200)
+            if isinstance(reply, wire.OkReply):
                 return int(reply.result["epoch"])
         raise AssertionError(f"kvd did not answer within {READY_TIMEOUT_S} s:\n{self.log()}")
 
-    def call(self, req: P.Request | list[bytes]) -> Any:
+    def call(self, req: wire.Request | list[bytes]) -> Any:
         frames = req if isinstance(req, list) else req.encode()
         return raw_call(self.address, frames)
 
     def stats(self) -> dict[str, Any]:
-        reply = self.call(P.Stats(id=1))
-        assert isinstance(reply, P.OkReply), reply
+        reply = self.call(wire.Stats(id=1))
+        assert isinstance(reply, wire.OkReply), reply
         info: dict[str, Any] = reply.result["info"]
         return info
 
     def check(self) -> dict[str, Any]:
-        reply = self.call(P.Check(id=1))
-        assert isinstance(reply, P.OkReply), reply
+        reply = self.call(wire.Check(id=1))
+        assert isinstance(reply, wire.OkReply), reply
         return reply.result
 
     def signal(self, sig: int) -> None:

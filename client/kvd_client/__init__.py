@@ -3,12 +3,11 @@
 `Client` (blocking) and `AsyncClient` (anyio) open a session on a pool,
 allocate sequences and map the pool's memory (`PoolMapping`) for zero-copy
 numpy/torch views. Errors are `KvdError` subclasses, one per wire code
-(`kvd_client.errors`). The wire contract is `kvd_client.protocol`, the pool
-layout `kvd_client.layout`.
+(`kvd_client.errors`). The wire contract — messages, codes, the pool
+layout and the daemon's address — is `kvd_client.wire`.
 """
 
 from kvd_client import errors
-from kvd_client.address import default_address
 from kvd_client.client import AsyncClient, Batch, Client, Pin, Sequence
 from kvd_client.core import Admission, Deferred
 from kvd_client.errors import (
@@ -19,9 +18,8 @@ from kvd_client.errors import (
     Refused,
     SessionLost,
 )
-from kvd_client.layout import PoolLayout
 from kvd_client.pool import PoolMapping, ShmPool, open_pool, register_backend
-from kvd_client.protocol import Notice
+from kvd_client.wire import Notice, PoolLayout, default_address
 
 __all__ = [
     "Admission",

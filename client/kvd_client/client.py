@@ -53,13 +53,19 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from kvd_client.address import default_address
 from kvd_client.core import Admission, Deferred, Identity, Op, PinState, SeqState, Session
 from kvd_client.errors import InvalidRequest, KvdError
-from kvd_client.layout import PoolLayout
 from kvd_client.pool import PoolMapping
-from kvd_client.protocol import MAX_NAME_LEN, CheckResult, CommitResult, Notice, PingResult
 from kvd_client.transport import AsyncTransport, BlockingTransport, CurveTriple
+from kvd_client.wire import (
+    MAX_NAME_LEN,
+    CheckResult,
+    CommitResult,
+    Notice,
+    PingResult,
+    PoolLayout,
+    default_address,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",

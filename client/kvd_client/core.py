@@ -40,9 +40,8 @@ from kvd_client.errors import (
     TooLarge,
     error_from_reply,
 )
-from kvd_client.layout import PoolLayout
 from kvd_client.pool import PoolMapping, open_pool
-from kvd_client.protocol import (
+from kvd_client.wire import (
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
     MAX_TOKENS,
@@ -78,6 +77,7 @@ from kvd_client.protocol import (
     Ping,
     PingResult,
     PinResult,
+    PoolLayout,
     Pools,
     ProtocolError,
     Request,

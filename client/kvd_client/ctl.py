@@ -22,9 +22,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, TextIO
 
-from kvd_client.address import default_address, ipc_path
 from kvd_client.client import Client
 from kvd_client.errors import DaemonUnavailable, KvdError
+from kvd_client.wire import default_address, ipc_path
 
 __all__ = [
     "EXIT_ERROR",

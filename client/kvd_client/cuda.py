@@ -38,8 +38,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd_client.errors import InternalError, LayoutMismatch
-from kvd_client.layout import PAGE, POOL_ALIGN, PoolLayout
 from kvd_client.pool import PoolMapping, register_backend
+from kvd_client.wire import PAGE, POOL_ALIGN, PoolLayout
 
 if TYPE_CHECKING:
     import torch

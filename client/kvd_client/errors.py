@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Final
 
-from kvd_client.protocol import Code
+from kvd_client.wire import Code
 
 __all__ = [
     "ERRORS",

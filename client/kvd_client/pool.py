@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd_client.errors import InternalError, InvalidRequest, LayoutMismatch
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 if TYPE_CHECKING:
     import torch

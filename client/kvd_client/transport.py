@@ -29,7 +29,7 @@ import zmq
 
 from kvd_client.core import Outgoing, Session
 from kvd_client.errors import DaemonUnavailable
-from kvd_client.protocol import OkReply
+from kvd_client.wire import OkReply
 
 __all__ = ["AsyncTransport", "BlockingTransport", "CurveTriple", "dealer"]
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvd_client import Client, KvdError
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 __all__ = ["kvd_command", "pool_matches", "private_daemon"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from kvd_client.integrations.paged import BlockTable, causal_attention, paged_attention, write_kv
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 from torch import nn
 from torch.nn import functional as F
 

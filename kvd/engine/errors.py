@@ -3,7 +3,7 @@
 Caller mistakes raise an `EngineError` subclass carrying a stable `code`,
 always before any state changes. Capacity outcomes are not exceptions: they
 are `kvd.engine.results.Refusal` values. The code strings equal the wire's
-``kvd_client.protocol.Code`` values (a test checks); they are defined here
+``kvd_client.wire.Code`` values (a test checks); they are defined here
 because the engine must not import the wire contract.
 """
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 from kvd.errors import StartupError
 from kvd.memory import cuda, shm

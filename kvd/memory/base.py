@@ -3,7 +3,7 @@
 A backend creates a pool's bytes for a `PoolLayout`, keeps them alive for
 the daemon's lifetime, and describes how a client maps them (the hello
 reply's ``memory`` map). The layout itself — where block *b* of layer *l*
-lives — is `kvd_client.layout`'s, shared with the clients.
+lives — is `kvd_client.wire.layout`'s, shared with the clients.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 __all__ = ["Capacity", "PoolMemory"]
 

@@ -22,7 +22,7 @@ import time
 from typing import Any, Final
 
 from kvd_client.cuda import CudaMemoryMap
-from kvd_client.layout import POOL_ALIGN, PoolLayout, round_up
+from kvd_client.wire import POOL_ALIGN, PoolLayout, round_up
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory.base import Capacity

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-from kvd_client.layout import PAGE, PoolLayout
+from kvd_client.wire import PAGE, PoolLayout
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory.base import Capacity

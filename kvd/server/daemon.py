@@ -65,7 +65,7 @@ import anyio
 import anyio.abc
 import structlog
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.config import Config, PoolConfig
 from kvd.engine import Engine, EngineConfig
@@ -467,9 +467,9 @@ class Daemon:
         more = int(zmq.SNDMORE)
         # Kinds whose connection's identity matters: HELLO (namespace policy, pid
         # watch) and, once security.admins is set, the admin kinds.
-        vetted = {bytes((P.Kind.HELLO,))}
+        vetted = {bytes((wire.Kind.HELLO,))}
         if dispatcher.policy.admins:
-            vetted |= {bytes((k,)) for k, cls in P.REQUESTS.items() if cls.ADMIN}
+            vetted |= {bytes((k,)) for k, cls in wire.REQUESTS.items() if cls.ADMIN}
         curve = self._zap is not None
         while True:
             # Blocking: requests and the loop's wake-ups come through this one queue.
@@ -568,14 +568,14 @@ class Daemon:
         else:  # the creation it waited for was refused: this hello tries on its own
             self._start_creations()
 
-    async def _add_runtime_pool(self, pool: PoolConfig) -> tuple[P.Code, str] | None:
+    async def _add_runtime_pool(self, pool: PoolConfig) -> tuple[wire.Code, str] | None:
         """Budget, create, serve; the refusal's (code, message) when it does not fit."""
         assert self.dispatcher is not None
         mem = self.dispatcher.config.memory
         held = sum(p.layout.total_bytes for p in self._pools.values())
         t0 = time.perf_counter()
 
-        def admit_and_create() -> PoolMemory | tuple[P.Code, str]:
+        def admit_and_create() -> PoolMemory | tuple[wire.Code, str]:
             cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
             decision = decide(
                 pool.name,
@@ -587,12 +587,16 @@ class Daemon:
                 held=held,
             )
             if not decision.ok:
-                code = P.Code.OUT_OF_BLOCKS if decision.limit == "free" else P.Code.QUOTA_EXCEEDED
+                code = (
+                    wire.Code.OUT_OF_BLOCKS
+                    if decision.limit == "free"
+                    else wire.Code.QUOTA_EXCEEDED
+                )
                 return code, decision.message
             try:
                 return self._create_pool(pool)
             except KvdError as exc:  # the backend's own refusal (e.g. a GPU short of memory)
-                return P.Code.OUT_OF_BLOCKS, str(exc)
+                return wire.Code.OUT_OF_BLOCKS, str(exc)
 
         # Not cancellable: the memory must be recorded (and freed at exit) once made.
         made = await anyio.to_thread.run_sync(admit_and_create)

@@ -2,7 +2,7 @@
 
 `Dispatcher.handle` takes one client message (frames after the routing id)
 and returns the reply frames; it never raises. Decoding is the wire
-contract's typed decoders (`kvd_client.protocol.decode_request`): no
+contract's typed decoders (`kvd_client.wire.decode_request`): no
 pickle, no method names on the wire; each kind maps to one handler in a
 table built at start.
 
@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
-from kvd_client import protocol as P
-from kvd_client.layout import PoolLayout
+from kvd_client import wire
+from kvd_client.wire import PoolLayout
 
 import kvd
 from kvd.config import BACKENDS, AdmissionConfig, Config, PoolConfig
@@ -85,7 +85,7 @@ log = structlog.get_logger("kvd.server")
 #: Kinds refused with SHUTTING_DOWN while draining: they start new work.
 #: Running sequences may still append, commit, truncate, free and unpin.
 DRAIN_REFUSED: Final = frozenset(
-    {P.Kind.HELLO, P.Kind.ALLOCATE, P.Kind.FORK, P.Kind.PIN, P.Kind.FLUSH}
+    {wire.Kind.HELLO, wire.Kind.ALLOCATE, wire.Kind.FORK, wire.Kind.PIN, wire.Kind.FLUSH}
 )
 
 
@@ -108,16 +108,16 @@ RELOADABLE: Final = frozenset(
 )
 
 #: Kind names for stats, looked up once (Enum.name is a descriptor call).
-_KIND_NAMES: Final = {kind: kind.name for kind in P.Kind}
+_KIND_NAMES: Final = {kind: kind.name for kind in wire.Kind}
 # Plain ints: an enum member's attribute lookup costs more than the dict lookup it feeds.
-_HELLO: Final = int(P.Kind.HELLO)
-_BATCH: Final = int(P.Kind.BATCH)
+_HELLO: Final = int(wire.Kind.HELLO)
+_BATCH: Final = int(wire.Kind.BATCH)
 
 
 class RequestError(Exception):
     """A handler's refusal of a request (not a bug): replied with ``code``."""
 
-    def __init__(self, code: P.Code, message: str) -> None:
+    def __init__(self, code: wire.Code, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -214,9 +214,9 @@ class _Ctx:
 
 
 #: A handler's answer: a result map as it goes on the wire (the hot kinds build it
-#: directly, same keys and order as their `P.Result`'s ``to_map``), a `P.Result`,
+#: directly, same keys and order as their `wire.Result`'s ``to_map``), a `wire.Result`,
 #: or an engine refusal.
-_Outcome = dict[str, Any] | P.Result | Refusal
+_Outcome = dict[str, Any] | wire.Result | Refusal
 _Handler = Callable[[Any, _Ctx], _Outcome]
 
 
@@ -287,27 +287,27 @@ class Dispatcher:
         self.limiter = RateLimiter(sec.rate_limit, sec.rate_burst) if sec.rate_limit else None
         self.limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         self._table: dict[int, _Handler] = {
-            P.Kind.HELLO: self._hello,
-            P.Kind.HEARTBEAT: self._heartbeat,
-            P.Kind.GOODBYE: self._goodbye,
-            P.Kind.ALLOCATE: self._allocate,
-            P.Kind.COMMIT: self._commit,
-            P.Kind.APPEND: self._append,
-            P.Kind.FORK: self._fork,
-            P.Kind.TRUNCATE: self._truncate,
-            P.Kind.FREE: self._free,
-            P.Kind.PIN: self._pin,
-            P.Kind.UNPIN: self._unpin,
-            P.Kind.CAN_ALLOCATE: self._can_allocate,
-            P.Kind.BATCH: self._batch,
-            P.Kind.STATS: self._stats,
-            P.Kind.CHECK: self._check,
-            P.Kind.FLUSH: self._flush,
-            P.Kind.CLIENTS: self._clients,
-            P.Kind.POOLS: self._pools,
-            P.Kind.PING: self._ping,
+            wire.Kind.HELLO: self._hello,
+            wire.Kind.HEARTBEAT: self._heartbeat,
+            wire.Kind.GOODBYE: self._goodbye,
+            wire.Kind.ALLOCATE: self._allocate,
+            wire.Kind.COMMIT: self._commit,
+            wire.Kind.APPEND: self._append,
+            wire.Kind.FORK: self._fork,
+            wire.Kind.TRUNCATE: self._truncate,
+            wire.Kind.FREE: self._free,
+            wire.Kind.PIN: self._pin,
+            wire.Kind.UNPIN: self._unpin,
+            wire.Kind.CAN_ALLOCATE: self._can_allocate,
+            wire.Kind.BATCH: self._batch,
+            wire.Kind.STATS: self._stats,
+            wire.Kind.CHECK: self._check,
+            wire.Kind.FLUSH: self._flush,
+            wire.Kind.CLIENTS: self._clients,
+            wire.Kind.POOLS: self._pools,
+            wire.Kind.PING: self._ping,
         }
-        missing = set(P.REQUESTS) - set(self._table)
+        missing = set(wire.REQUESTS) - set(self._table)
         if missing:  # a new request kind in the contract needs its handler
             raise AssertionError(f"no handler for kinds {sorted(missing)}")
 
@@ -347,12 +347,12 @@ class Dispatcher:
     ) -> tuple[str, int, list[bytes]]:
         """(kind name for stats, operations carried, reply frames)."""
         try:
-            if len(frames) > 2 and sum(map(len, frames)) > P.MAX_MESSAGE_BYTES:
-                raise P.ProtocolError(
-                    P.Code.TOO_LARGE, f"message larger than {P.MAX_MESSAGE_BYTES} bytes"
+            if len(frames) > 2 and sum(map(len, frames)) > wire.MAX_MESSAGE_BYTES:
+                raise wire.ProtocolError(
+                    wire.Code.TOO_LARGE, f"message larger than {wire.MAX_MESSAGE_BYTES} bytes"
                 )
-            req = P.decode_request(frames)
-        except P.ProtocolError as exc:
+            req = wire.decode_request(frames)
+        except wire.ProtocolError as exc:
             return "INVALID", 1, self._error(exc.req_id, exc.code, exc.message)
         req_id: int = req.id  # type: ignore[attr-defined]
         kind = req.KIND
@@ -363,7 +363,7 @@ class Dispatcher:
                 session = ctx.session = self.sessions.lookup(identity)
                 if session is None:
                     raise RequestError(
-                        P.Code.SESSION_LOST,
+                        wire.Code.SESSION_LOST,
                         "no session for this connection (daemon restarted, lease expired, "
                         "or no hello); old sequences are gone: send hello again",
                     )
@@ -387,24 +387,24 @@ class Dispatcher:
             return (
                 _KIND_NAMES[kind],
                 ops,
-                self._error(req_id, P.Code(outcome.code), outcome.message),
+                self._error(req_id, wire.Code(outcome.code), outcome.message),
             )
-        return _KIND_NAMES[kind], ops, P.encode_ok(req_id, outcome)
+        return _KIND_NAMES[kind], ops, wire.encode_ok(req_id, outcome)
 
-    def _run(self, req: P.Request, ctx: _Ctx) -> _Outcome:
+    def _run(self, req: wire.Request, ctx: _Ctx) -> _Outcome:
         """One request (or batch op) through its handler; errors become RequestError."""
         if self.draining and req.KIND in DRAIN_REFUSED:
-            raise RequestError(P.Code.SHUTTING_DOWN, "the daemon is shutting down")
+            raise RequestError(wire.Code.SHUTTING_DOWN, "the daemon is shutting down")
         try:
             outcome = self._table[req.KIND](req, ctx)
-        except (RequestError, P.ProtocolError, _Deferred):
+        except (RequestError, wire.ProtocolError, _Deferred):
             raise
         except EngineError as exc:
-            raise RequestError(P.Code(str(exc.code)), exc.message) from None
+            raise RequestError(wire.Code(str(exc.code)), exc.message) from None
         except Exception:
             log.exception("internal_error", kind=req.KIND.name)
             raise RequestError(
-                P.Code.INTERNAL, "internal error (logged by the daemon); nothing was changed"
+                wire.Code.INTERNAL, "internal error (logged by the daemon); nothing was changed"
             ) from None
         finally:
             if self.on_events is not None:
@@ -414,14 +414,14 @@ class Dispatcher:
     def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
         """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
         try:
-            req_id: int | None = getattr(P.decode_request(frames), "id", None)
-        except P.ProtocolError as exc:
+            req_id: int | None = getattr(wire.decode_request(frames), "id", None)
+        except wire.ProtocolError as exc:
             req_id = exc.req_id
-        return self._error(req_id, P.Code.SHUTTING_DOWN, "the daemon stopped")
+        return self._error(req_id, wire.Code.SHUTTING_DOWN, "the daemon stopped")
 
-    def _error(self, req_id: int | None, code: P.Code, message: str) -> list[bytes]:
+    def _error(self, req_id: int | None, code: wire.Code, message: str) -> list[bytes]:
         self.rpc.error(code)
-        return P.encode_error(req_id, code, message)
+        return wire.encode_error(req_id, code, message)
 
     def _publish_events(self) -> None:
         assert self.on_events is not None
@@ -478,11 +478,11 @@ class Dispatcher:
             self._publish_events()
         return done
 
-    def _hello(self, req: P.Hello, ctx: _Ctx) -> _Outcome:
-        if req.version != P.PROTOCOL_VERSION:
+    def _hello(self, req: wire.Hello, ctx: _Ctx) -> _Outcome:
+        if req.version != wire.PROTOCOL_VERSION:
             raise RequestError(
-                P.Code.VERSION,
-                f"client speaks protocol {req.version}, daemon speaks {P.PROTOCOL_VERSION}",
+                wire.Code.VERSION,
+                f"client speaks protocol {req.version}, daemon speaks {wire.PROTOCOL_VERSION}",
             )
         if self.policy.enforce:
             denial = self.policy.check_namespace(ctx.principal, req.namespace)
@@ -493,13 +493,13 @@ class Dispatcher:
             if req.create:
                 self._defer_creation(req, ctx)
             raise RequestError(
-                P.Code.NOT_FOUND, f"no pool {req.pool!r} (have: {', '.join(sorted(self.pools))})"
+                wire.Code.NOT_FOUND, f"no pool {req.pool!r} (have: {', '.join(sorted(self.pools))})"
             )
         if req.layout is not None:
             try:
                 theirs = PoolLayout.from_dict(req.layout)
             except (ValueError, TypeError) as exc:
-                raise RequestError(P.Code.INVALID, f"field 'layout': {exc}") from None
+                raise RequestError(wire.Code.INVALID, f"field 'layout': {exc}") from None
             if theirs != pool.layout:
                 diff = {
                     k: (v, pool.layout.to_dict()[k])
@@ -507,18 +507,18 @@ class Dispatcher:
                     if v != pool.layout.to_dict()[k]
                 }
                 raise RequestError(
-                    P.Code.MISMATCH, f"pool {req.pool!r} layout differs (yours, ours): {diff}"
+                    wire.Code.MISMATCH, f"pool {req.pool!r} layout differs (yours, ours): {diff}"
                 )
         if req.hash_seed is not None and req.hash_seed != self.config.cache.hash_seed:
             raise RequestError(
-                P.Code.MISMATCH,
+                wire.Code.MISMATCH,
                 f"hash seed {req.hash_seed!r} differs from the daemon's "
                 f"{self.config.cache.hash_seed!r}",
             )
         previous = self.sessions.peek(ctx.identity)
         limit = self.config.server.max_sessions
         if previous is None and limit and len(self.sessions) >= limit:
-            raise RequestError(P.Code.BUSY, f"the daemon already serves {limit} sessions")
+            raise RequestError(wire.Code.BUSY, f"the daemon already serves {limit} sessions")
         if previous is not None:
             self.close_session(previous, "hello_again")
         peer = ctx.peer
@@ -556,7 +556,7 @@ class Dispatcher:
                 peer_pid=peer.pid,
                 note="watching the kernel's pid (another pid namespace?)",
             )
-        return P.HelloResult(
+        return wire.HelloResult(
             session=session.id,
             epoch=self.epoch,
             pool=pool.name,
@@ -565,10 +565,10 @@ class Dispatcher:
             lease_ms=self.config.server.lease_ms,
             hash_seed=self.config.cache.hash_seed,
             namespace=req.namespace,
-            max_message_bytes=P.MAX_MESSAGE_BYTES,
+            max_message_bytes=wire.MAX_MESSAGE_BYTES,
         )
 
-    def _defer_creation(self, req: P.Hello, ctx: _Ctx) -> None:
+    def _defer_creation(self, req: wire.Hello, ctx: _Ctx) -> None:
         """Check a request to create pool ``req.pool`` and queue it; raises `_Deferred`.
 
         Refusals here change nothing: FORBIDDEN when runtime pools are off,
@@ -580,25 +580,25 @@ class Dispatcher:
         mem = self.config.memory
         if not mem.runtime_pools:
             raise RequestError(
-                P.Code.FORBIDDEN,
+                wire.Code.FORBIDDEN,
                 f"no pool {req.pool!r} and runtime pools are disabled (memory.runtime_pools)",
             )
         if req.layout is None:
-            raise RequestError(P.Code.INVALID, "field 'layout' is required to create a pool")
+            raise RequestError(wire.Code.INVALID, "field 'layout' is required to create a pool")
         try:
             layout = PoolLayout.from_dict(req.layout)
         except (ValueError, TypeError) as exc:
-            raise RequestError(P.Code.INVALID, f"field 'layout': {exc}") from None
+            raise RequestError(wire.Code.INVALID, f"field 'layout': {exc}") from None
         if req.hash_seed is not None and req.hash_seed != self.config.cache.hash_seed:
             raise RequestError(
-                P.Code.MISMATCH,
+                wire.Code.MISMATCH,
                 f"hash seed {req.hash_seed!r} differs from the daemon's "
                 f"{self.config.cache.hash_seed!r}",
             )
         backend = mem.runtime_pool_backend if req.backend is None else req.backend
         if backend not in BACKENDS:
             raise RequestError(
-                P.Code.INVALID, f"field 'backend': {backend!r} is not one of {list(BACKENDS)}"
+                wire.Code.INVALID, f"field 'backend': {backend!r} is not one of {list(BACKENDS)}"
             )
         try:
             config = PoolConfig(
@@ -614,19 +614,19 @@ class Dispatcher:
                 device=0 if req.device is None else req.device,
             )
         except ConfigError as exc:
-            raise RequestError(P.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
+            raise RequestError(wire.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
         if req.pool not in self.creating:
             count = len(self.runtime) + len(self.creating)
             if count >= mem.max_runtime_pools:
                 raise RequestError(
-                    P.Code.QUOTA_EXCEEDED,
+                    wire.Code.QUOTA_EXCEEDED,
                     f"no pool {req.pool!r} and {count} runtime pools exist "
                     f"(memory.max_runtime_pools = {mem.max_runtime_pools})",
                 )
             cap = mem.runtime_pool_max_bytes
             if cap and layout.total_bytes > cap:
                 raise RequestError(
-                    P.Code.QUOTA_EXCEEDED,
+                    wire.Code.QUOTA_EXCEEDED,
                     f"pool {req.pool!r} asked {format_bytes(layout.total_bytes)}, "
                     f"runtime pools are capped at {format_bytes(cap)} "
                     f"(memory.runtime_pool_max_bytes)",
@@ -650,17 +650,17 @@ class Dispatcher:
         self.runtime.add(pool.name)
         self.creating.discard(pool.name)
 
-    def refuse_creation(self, job: PoolCreation, code: P.Code, message: str) -> list[bytes]:
+    def refuse_creation(self, job: PoolCreation, code: wire.Code, message: str) -> list[bytes]:
         """The error reply for a creation the budget or the backend refused; nothing changed."""
         self.creating.discard(job.config.name)
         log.warning("pool_refused", pool=job.config.name, code=str(code), reason=message)
-        self.rpc.record(_KIND_NAMES[P.Kind.HELLO], 0)
+        self.rpc.record(_KIND_NAMES[wire.Kind.HELLO], 0)
         return self._error(job.req_id, code, message)
 
-    def _heartbeat(self, req: P.Heartbeat, ctx: _Ctx) -> _Outcome:
+    def _heartbeat(self, req: wire.Heartbeat, ctx: _Ctx) -> _Outcome:
         return _EMPTY
 
-    def _goodbye(self, req: P.Goodbye, ctx: _Ctx) -> _Outcome:
+    def _goodbye(self, req: wire.Goodbye, ctx: _Ctx) -> _Outcome:
         assert ctx.session is not None
         self.close_session(ctx.session, "goodbye")
         return _EMPTY
@@ -668,7 +668,7 @@ class Dispatcher:
     # ------------------------------------------------------------------
     # Sequences
 
-    def _check_size(self, req: P.Request, engine: Engine | None, sid: int) -> None:
+    def _check_size(self, req: wire.Request, engine: Engine | None, sid: int) -> None:
         """TOO_LARGE for too many tokens, or (``engine`` given) one sequence too many."""
         limits = self.limits
         denial = limits.check_request(req) if limits.max_tokens else None
@@ -677,7 +677,7 @@ class Dispatcher:
         if denial is not None:
             raise RequestError(denial.code, denial.message)
 
-    def _allocate(self, req: P.Allocate, ctx: _Ctx) -> _Outcome:
+    def _allocate(self, req: wire.Allocate, ctx: _Ctx) -> _Outcome:
         engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
         assert engine is not None
         self._check_size(req, engine, sid)
@@ -690,12 +690,12 @@ class Dispatcher:
             "reserved": r.reserved_blocks,
         }
 
-    def _commit(self, req: P.Commit, ctx: _Ctx) -> _Outcome:
+    def _commit(self, req: wire.Commit, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         c = ctx.engine.commit(ctx.session.id, req.seq, req.n)
         return {"committed": c.committed, "cached_blocks": c.cached_blocks}
 
-    def _append(self, req: P.Append, ctx: _Ctx) -> _Outcome:
+    def _append(self, req: wire.Append, ctx: _Ctx) -> _Outcome:
         engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
         assert engine is not None
         if self.limits.max_tokens and len(req.tokens) > self.limits.max_tokens:
@@ -711,7 +711,7 @@ class Dispatcher:
             "length": a.length,
         }
 
-    def _fork(self, req: P.Fork, ctx: _Ctx) -> _Outcome:
+    def _fork(self, req: wire.Fork, ctx: _Ctx) -> _Outcome:
         engine, sid = ctx.engine, ctx.session.id  # type: ignore[union-attr]
         assert engine is not None
         self._check_size(req, engine, sid)
@@ -720,47 +720,47 @@ class Dispatcher:
             return f
         return {"table": _blocks(f.table)}
 
-    def _truncate(self, req: P.Truncate, ctx: _Ctx) -> _Outcome:
+    def _truncate(self, req: wire.Truncate, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         t = ctx.engine.truncate(ctx.session.id, req.seq, req.n)
         return {"length": t.length, "num_blocks": t.num_blocks}
 
-    def _free(self, req: P.Free, ctx: _Ctx) -> _Outcome:
+    def _free(self, req: wire.Free, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         ctx.engine.free(ctx.session.id, req.seq)
         return _EMPTY
 
-    def _pin(self, req: P.Pin, ctx: _Ctx) -> _Outcome:
+    def _pin(self, req: wire.Pin, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         p = ctx.engine.pin(ctx.session.id, req.seq, req.n)
         if isinstance(p, Refusal):
             return p
         return {"pin": p.pin_id, "blocks": p.blocks}
 
-    def _unpin(self, req: P.Unpin, ctx: _Ctx) -> _Outcome:
+    def _unpin(self, req: wire.Unpin, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         ctx.engine.unpin(ctx.session.id, req.pin)
         return _EMPTY
 
-    def _can_allocate(self, req: P.CanAllocate, ctx: _Ctx) -> _Outcome:
+    def _can_allocate(self, req: wire.CanAllocate, ctx: _Ctx) -> _Outcome:
         assert ctx.engine is not None and ctx.session is not None
         ok, available = ctx.engine.can_allocate(ctx.session.id, req.tokens, reserve=req.reserve)
         return {"ok": ok, "available": available}
 
-    def _batch(self, req: P.Batch, ctx: _Ctx) -> _Outcome:
-        if len(req.ops) > P.MAX_BATCH_OPS:
-            raise RequestError(P.Code.TOO_LARGE, f"more than {P.MAX_BATCH_OPS} operations")
+    def _batch(self, req: wire.Batch, ctx: _Ctx) -> _Outcome:
+        if len(req.ops) > wire.MAX_BATCH_OPS:
+            raise RequestError(wire.Code.TOO_LARGE, f"more than {wire.MAX_BATCH_OPS} operations")
         # The batch's token frame is decoded once; each op takes a slice of it.
-        ctx.extras = P.TokenFrames(ctx.extras)
+        ctx.extras = wire.TokenFrames(ctx.extras)
         op_result = self._batch_op
-        return P.BatchResult(results=[op_result(op, ctx) for op in req.ops])
+        return wire.BatchResult(results=[op_result(op, ctx) for op in req.ops])
 
     def _batch_op(self, op: Any, ctx: _Ctx) -> dict[str, Any]:
-        """One operation's `P.OpResult` map (built directly: same keys, same order)."""
+        """One operation's `wire.OpResult` map (built directly: same keys, same order)."""
         try:
-            sub = P.decode_batch_op(op, ctx.extras)
+            sub = wire.decode_batch_op(op, ctx.extras)
             outcome = self._run(sub, ctx)
-        except (P.ProtocolError, RequestError) as exc:
+        except (wire.ProtocolError, RequestError) as exc:
             self.rpc.error(exc.code)
             return {"ok": False, "code": str(exc.code), "msg": exc.message}
         if isinstance(outcome, Refusal):
@@ -774,10 +774,10 @@ class Dispatcher:
     # ------------------------------------------------------------------
     # Admin
 
-    def _ping(self, req: P.Ping, ctx: _Ctx) -> _Outcome:
-        return {"epoch": self.epoch, "version": P.PROTOCOL_VERSION}
+    def _ping(self, req: wire.Ping, ctx: _Ctx) -> _Outcome:
+        return {"epoch": self.epoch, "version": wire.PROTOCOL_VERSION}
 
-    def _check(self, req: P.Check, ctx: _Ctx) -> _Outcome:
+    def _check(self, req: wire.Check, ctx: _Ctx) -> _Outcome:
         problems: list[str] = []
         for name, pool in self.pools.items():
             try:
@@ -786,22 +786,22 @@ class Dispatcher:
                 problems.extend(f"{name}: {p}" for p in exc.problems)
         if problems:
             log.error("invariants_violated", problems=problems)
-        return P.CheckResult(ok=not problems, problems=problems)
+        return wire.CheckResult(ok=not problems, problems=problems)
 
-    def _flush(self, req: P.Flush, ctx: _Ctx) -> _Outcome:
+    def _flush(self, req: wire.Flush, ctx: _Ctx) -> _Outcome:
         dropped = sum(pool.engine.flush(req.namespace) for pool in self.pools.values())
         log.info("flushed", namespace=req.namespace, dropped=dropped)
-        return P.FlushResult(dropped=dropped)
+        return wire.FlushResult(dropped=dropped)
 
-    def _clients(self, req: P.Clients, ctx: _Ctx) -> _Outcome:
+    def _clients(self, req: wire.Clients, ctx: _Ctx) -> _Outcome:
         now = self.sessions.clock()
         usage = {name: pool.engine.stats().session_usage for name, pool in self.pools.items()}
         listing = [
             s.info(now) | {"usage_blocks": usage[s.pool].get(s.id, 0)} for s in self.sessions
         ]
-        return P.InfoResult(info={"sessions": listing})
+        return wire.InfoResult(info={"sessions": listing})
 
-    def _pools(self, req: P.Pools, ctx: _Ctx) -> _Outcome:
+    def _pools(self, req: wire.Pools, ctx: _Ctx) -> _Outcome:
         info = {}
         for name, pool in self.pools.items():
             info[name] = {
@@ -812,20 +812,20 @@ class Dispatcher:
                 "blocks": self._block_counts(pool.engine.stats()),
                 "sessions": sum(1 for s in self.sessions if s.pool == name),
             }
-        return P.InfoResult(info={"pools": info})
+        return wire.InfoResult(info={"pools": info})
 
-    def _stats(self, req: P.Stats, ctx: _Ctx) -> _Outcome:
+    def _stats(self, req: wire.Stats, ctx: _Ctx) -> _Outcome:
         sections = self.stats()
         if req.sections is not None:
             wanted = {str(s) for s in req.sections}
             unknown = wanted - sections.keys()
             if unknown:
                 raise RequestError(
-                    P.Code.INVALID,
+                    wire.Code.INVALID,
                     f"unknown stats sections {sorted(unknown)} (have: {', '.join(sections)})",
                 )
             sections = {k: v for k, v in sections.items() if k in wanted}
-        return P.InfoResult(info=sections)
+        return wire.InfoResult(info=sections)
 
     # ------------------------------------------------------------------
     # Stats
@@ -861,7 +861,7 @@ class Dispatcher:
                 continue
             self._pressure[name] = level
             log.info("pressure", pool=name, usage=round(usage, 4), level=level)
-            frames = P.encode_notice(
+            frames = wire.encode_notice(
                 "pressure",
                 {
                     "pool": name,
@@ -960,7 +960,7 @@ class Dispatcher:
         return {
             "server": {
                 "version": kvd.__version__,
-                "protocol": P.PROTOCOL_VERSION,
+                "protocol": wire.PROTOCOL_VERSION,
                 "pid": os.getpid(),
                 "epoch": self.epoch,
                 "uptime_s": round(now - self.started, 3),

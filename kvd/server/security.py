@@ -48,7 +48,7 @@ from typing import Final
 import anyio
 import zmq
 import zmq.auth
-from kvd_client import protocol as P
+from kvd_client import wire
 from zmq.utils import z85
 
 from kvd.errors import ConfigError, StartupError
@@ -80,7 +80,7 @@ _ZAP_VERSION: Final = b"1.0"
 class Denial:
     """Why a request is refused: the reply's code and message."""
 
-    code: P.Code
+    code: wire.Code
     message: str
 
 
@@ -221,19 +221,20 @@ class NamespacePolicy:
                 if _matches(pattern, namespace):
                     return None
         return Denial(
-            P.Code.FORBIDDEN,
+            wire.Code.FORBIDDEN,
             f"namespace {namespace!r} is not allowed for {principal} "
             "(see the daemon's security.namespaces)",
         )
 
-    def check_admin(self, principal: Principal, kind: P.Kind) -> Denial | None:
+    def check_admin(self, principal: Principal, kind: wire.Kind) -> Denial | None:
         """None when ``principal`` may send admin request ``kind``, else FORBIDDEN."""
-        if not self.admins or kind == P.Kind.PING:
+        if not self.admins or kind == wire.Kind.PING:
             return None
         if self.admins.intersection(principal.names()):
             return None
         return Denial(
-            P.Code.FORBIDDEN, f"{kind.name} is for operators; {principal} is not in security.admins"
+            wire.Code.FORBIDDEN,
+            f"{kind.name} is for operators; {principal} is not in security.admins",
         )
 
 
@@ -282,7 +283,7 @@ class RateLimiter:
             return None
         wait_ms = (1.0 - self._buckets[key][0]) / self.rate * 1e3
         return Denial(
-            P.Code.RATE_LIMITED,
+            wire.Code.RATE_LIMITED,
             f"more than {self.rate:g} requests/s (burst {self.burst:g}); retry in {wait_ms:.0f} ms",
         )
 
@@ -300,24 +301,26 @@ class RequestLimits:
     #: Sequences one session may hold at once.
     max_sequences: int = 0
 
-    def check_request(self, req: P.Request) -> Denial | None:
+    def check_request(self, req: wire.Request) -> Denial | None:
         """TOO_LARGE when ``req`` carries or reserves more tokens than allowed."""
         limit = self.max_tokens
         if not limit:
             return None
         tokens = getattr(req, "tokens", None)
         if tokens is not None and not isinstance(tokens, int) and len(tokens) > limit:
-            return Denial(P.Code.TOO_LARGE, f"{len(tokens)} tokens in one request (limit {limit})")
+            return Denial(
+                wire.Code.TOO_LARGE, f"{len(tokens)} tokens in one request (limit {limit})"
+            )
         reserve = getattr(req, "reserve", None)
         if reserve is not None and reserve > limit:
-            return Denial(P.Code.TOO_LARGE, f"reserve of {reserve} tokens (limit {limit})")
+            return Denial(wire.Code.TOO_LARGE, f"reserve of {reserve} tokens (limit {limit})")
         return None
 
     def check_sequences(self, held: int) -> Denial | None:
         """TOO_LARGE when a session holding ``held`` sequences may not create another."""
         if self.max_sequences and held >= self.max_sequences:
             return Denial(
-                P.Code.TOO_LARGE,
+                wire.Code.TOO_LARGE,
                 f"the session holds {held} sequences (limit {self.max_sequences}); free some",
             )
         return None

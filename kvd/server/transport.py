@@ -38,7 +38,7 @@ from typing import Final
 import msgpack
 import structlog
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.config import ServerConfig
 from kvd.errors import StartupError
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
-MAXMSGSIZE: Final = P.MAX_MESSAGE_BYTES + 64 * 1024
+MAXMSGSIZE: Final = wire.MAX_MESSAGE_BYTES + 64 * 1024
 #: Umask while binding: the socket file is created at most 0660 (chmod sets the mode after).
 _BIND_UMASK: Final = 0o117
 
@@ -102,7 +102,7 @@ def probe_daemon(ctx: zmq.Context[zmq.Socket[bytes]], address: str, timeout_ms: 
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send_multipart(P.Ping(id=1).encode(), zmq.NOBLOCK)
+        sock.send_multipart(wire.Ping(id=1).encode(), zmq.NOBLOCK)
         if not sock.poll(timeout_ms, zmq.POLLIN):
             return False
         frames = sock.recv_multipart()

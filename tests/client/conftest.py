@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 from .support import LAYOUT, Handler, Router, make_pool_file
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 from kvd_client.core import Op, Session
 from kvd_client.errors import KvdError
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 #: 3 layers, 2 KV heads of 4 dims, float16, blocks of 4 tokens, 8 blocks.
 LAYOUT = PoolLayout(
@@ -42,7 +42,7 @@ def shm_handle(path: Path, layout: PoolLayout) -> dict[str, Any]:
     return {"backend": "shm", "path": str(path), "size": layout.total_bytes, "offset": 0}
 
 
-def hello_result(layout: PoolLayout, memory: dict[str, Any], **over: Any) -> P.HelloResult:
+def hello_result(layout: PoolLayout, memory: dict[str, Any], **over: Any) -> wire.HelloResult:
     fields: dict[str, Any] = {
         "session": 7,
         "epoch": 99,
@@ -52,10 +52,10 @@ def hello_result(layout: PoolLayout, memory: dict[str, Any], **over: Any) -> P.H
         "lease_ms": 5000,
         "hash_seed": "vllm-none-hash",
         "namespace": "",
-        "max_message_bytes": P.MAX_MESSAGE_BYTES,
+        "max_message_bytes": wire.MAX_MESSAGE_BYTES,
     }
     fields.update(over)
-    return P.HelloResult(**fields)
+    return wire.HelloResult(**fields)
 
 
 def blocks(*ids: int) -> np.ndarray[Any, np.dtype[np.int32]]:
@@ -68,20 +68,20 @@ class Wire:
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        self.sent: list[P.Request] = []
+        self.sent: list[wire.Request] = []
 
-    def start(self, op: Op[Any]) -> P.Request:
+    def start(self, op: Op[Any]) -> wire.Request:
         """Run ``op`` to its first request; returns that request as the daemon decodes it."""
         self._op = op
         return self._decode(op.send(None))  # type: ignore[arg-type]
 
-    def _decode(self, out: Any) -> P.Request:
-        req = P.decode_request(self.session.encode(out))
+    def _decode(self, out: Any) -> wire.Request:
+        req = wire.decode_request(self.session.encode(out))
         self.sent.append(req)
         return req
 
     def reply(self, frames: list[bytes]) -> Any:
-        """Feed reply frames; returns the op's value, or the next request (a `P.Request`)."""
+        """Feed reply frames; returns the op's value, or the next request (a `wire.Request`)."""
         req = self.sent[-1]
         try:
             try:
@@ -93,14 +93,14 @@ class Wire:
         except StopIteration as stop:
             return stop.value
 
-    def ok(self, result: P.Result | dict[str, Any]) -> Any:
-        return self.reply(P.encode_ok(self.sent[-1].id, result))  # type: ignore[attr-defined]
+    def ok(self, result: wire.Result | dict[str, Any]) -> Any:
+        return self.reply(wire.encode_ok(self.sent[-1].id, result))  # type: ignore[attr-defined]
 
-    def error(self, code: P.Code, msg: str = "refused") -> Any:
-        return self.reply(P.encode_error(self.sent[-1].id, code, msg))  # type: ignore[attr-defined]
+    def error(self, code: wire.Code, msg: str = "refused") -> Any:
+        return self.reply(wire.encode_error(self.sent[-1].id, code, msg))  # type: ignore[attr-defined]
 
 
-Handler = Callable[[P.Request], Iterable[list[bytes]]]
+Handler = Callable[[wire.Request], Iterable[list[bytes]]]
 
 
 class Router:
@@ -109,7 +109,7 @@ class Router:
     def __init__(self, address: str, handler: Handler) -> None:
         self.address = address
         self.handler = handler
-        self.requests: list[P.Request] = []
+        self.requests: list[wire.Request] = []
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
@@ -123,7 +123,7 @@ class Router:
             if not sock.poll(20):
                 continue
             ident, *frames = sock.recv_multipart()
-            req = P.decode_request(frames)
+            req = wire.decode_request(frames)
             self.requests.append(req)
             for reply in self.handler(req):
                 sock.send_multipart([ident, *reply])

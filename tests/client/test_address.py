@@ -1,10 +1,10 @@
-"""kvd_client.address: the default daemon address."""
+"""kvd_client.wire.address: the default daemon address."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvd_client.address import default_address, ipc_path, runtime_dir
+from kvd_client.wire import default_address, ipc_path, runtime_dir
 
 
 def test_root_uses_run_kvd() -> None:

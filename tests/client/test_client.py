@@ -11,8 +11,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from kvd_client import AsyncClient, Client, Sequence
-from kvd_client import protocol as P
+from kvd_client import AsyncClient, Client, Sequence, wire
 from kvd_client.client import ClientBase
 from kvd_client.errors import DaemonUnavailable, InvalidRequest, OutOfBlocks, SessionLost
 
@@ -23,46 +22,54 @@ StartRouter = Callable[..., Router]
 
 def daemon_like(
     memory: dict[str, Any] | None = None,
-) -> Callable[[P.Request], list[list[bytes]]]:
+) -> Callable[[wire.Request], list[list[bytes]]]:
     """Scripted replies built with the real encoders; each hello opens a new session id."""
     ids = iter(range(1, 100))
     memory = memory or {"backend": "none"}
 
-    def handle(req: P.Request) -> list[list[bytes]]:
+    def handle(req: wire.Request) -> list[list[bytes]]:
         rid = req.id  # type: ignore[attr-defined]
         match req:
-            case P.Hello():
-                return [P.encode_ok(rid, hello_result(LAYOUT, memory, session=next(ids)))]
-            case P.Allocate():
+            case wire.Hello():
+                return [wire.encode_ok(rid, hello_result(LAYOUT, memory, session=next(ids)))]
+            case wire.Allocate():
                 n = (len(req.tokens) + 3) // 4
                 return [
-                    P.encode_ok(
-                        rid, P.AllocateResult(table=blocks(*range(n)), cached=0, reserved=0)
+                    wire.encode_ok(
+                        rid, wire.AllocateResult(table=blocks(*range(n)), cached=0, reserved=0)
                     )
                 ]
-            case P.Commit():
-                return [P.encode_ok(rid, P.CommitResult(committed=req.n or 0, cached_blocks=0))]
-            case P.Batch():
-                ok = {"ok": True, "r": {"committed": 1, "cached_blocks": 0}}
-                return [P.encode_ok(rid, P.BatchResult(results=[ok] * len(req.ops)))]
-            case P.Ping():
-                return [P.encode_ok(rid, P.PingResult(epoch=99, version=1))]
-            case P.Fork():
-                return [P.encode_ok(rid, P.ForkResult(table=blocks(0, 1, 2)))]
-            case P.Append():
-                # The last block (2) is shared: move to a private copy (5).
-                result = P.AppendResult(start=2, blocks=blocks(5), copies=blocks(2, 5), length=11)
-                return [P.encode_ok(rid, result)]
-            case P.Truncate():
+            case wire.Commit():
                 return [
-                    P.encode_ok(rid, P.TruncateResult(length=req.n, num_blocks=(req.n + 3) // 4))
+                    wire.encode_ok(rid, wire.CommitResult(committed=req.n or 0, cached_blocks=0))
                 ]
-            case P.Pin():
-                return [P.encode_ok(rid, P.PinResult(pin=4, blocks=2))]
-            case P.CanAllocate():
-                return [P.encode_ok(rid, P.CanAllocateResult(ok=req.tokens <= 32, available=8))]
+            case wire.Batch():
+                ok = {"ok": True, "r": {"committed": 1, "cached_blocks": 0}}
+                return [wire.encode_ok(rid, wire.BatchResult(results=[ok] * len(req.ops)))]
+            case wire.Ping():
+                return [wire.encode_ok(rid, wire.PingResult(epoch=99, version=1))]
+            case wire.Fork():
+                return [wire.encode_ok(rid, wire.ForkResult(table=blocks(0, 1, 2)))]
+            case wire.Append():
+                # The last block (2) is shared: move to a private copy (5).
+                result = wire.AppendResult(
+                    start=2, blocks=blocks(5), copies=blocks(2, 5), length=11
+                )
+                return [wire.encode_ok(rid, result)]
+            case wire.Truncate():
+                return [
+                    wire.encode_ok(
+                        rid, wire.TruncateResult(length=req.n, num_blocks=(req.n + 3) // 4)
+                    )
+                ]
+            case wire.Pin():
+                return [wire.encode_ok(rid, wire.PinResult(pin=4, blocks=2))]
+            case wire.CanAllocate():
+                return [
+                    wire.encode_ok(rid, wire.CanAllocateResult(ok=req.tokens <= 32, available=8))
+                ]
             case _:
-                return [P.encode_ok(rid, P.Empty())]
+                return [wire.encode_ok(rid, wire.Empty())]
 
     return handle
 
@@ -107,9 +114,9 @@ def test_session_lost_raises_once_then_reattaches(router: StartRouter) -> None:
 
     base = daemon_like()
 
-    def handle(req: P.Request) -> list[list[bytes]]:
-        if isinstance(req, P.Allocate) and next(lost, False):
-            return [P.encode_error(req.id, P.Code.SESSION_LOST, "daemon restarted")]
+    def handle(req: wire.Request) -> list[list[bytes]]:
+        if isinstance(req, wire.Allocate) and next(lost, False):
+            return [wire.encode_error(req.id, wire.Code.SESSION_LOST, "daemon restarted")]
         return base(req)
 
     r = router(handle)
@@ -132,7 +139,7 @@ def test_batch_is_one_round_trip(router: StartRouter) -> None:
             items = [b.commit(s, 1) for s in seqs]
         assert [item.result().committed for item in items] == [1, 1, 1]
     batch = r.requests[-2]
-    assert isinstance(batch, P.Batch) and len(batch.ops) == 3
+    assert isinstance(batch, wire.Batch) and len(batch.ops) == 3
 
 
 def test_async_batch(router: StartRouter) -> None:
@@ -146,7 +153,7 @@ def test_async_batch(router: StartRouter) -> None:
             assert item.result().committed == 1
 
     anyio.run(main)
-    assert isinstance(r.requests[-2], P.Batch)
+    assert isinstance(r.requests[-2], wire.Batch)
 
 
 def test_batch_context_must_match_the_client_kind(router: StartRouter) -> None:
@@ -171,9 +178,9 @@ def test_batch_refuses_a_sequence_of_another_client(router: StartRouter) -> None
 
 
 def test_refusal_reaches_the_caller_as_its_class(router: StartRouter) -> None:
-    def handle(req: P.Request) -> list[list[bytes]]:
-        if isinstance(req, P.Allocate):
-            return [P.encode_error(req.id, P.Code.OUT_OF_BLOCKS, "pool full")]
+    def handle(req: wire.Request) -> list[list[bytes]]:
+        if isinstance(req, wire.Allocate):
+            return [wire.encode_error(req.id, wire.Code.OUT_OF_BLOCKS, "pool full")]
         return daemon_like()(req)
 
     r = router(handle)
@@ -184,16 +191,16 @@ def test_refusal_reaches_the_caller_as_its_class(router: StartRouter) -> None:
 def test_notices_reach_the_callback(router: StartRouter) -> None:
     base = daemon_like()
 
-    def handle(req: P.Request) -> list[list[bytes]]:
-        if isinstance(req, P.Ping):
-            return [P.encode_notice("pressure", {"pool": "default", "usage": 0.9}), *base(req)]
+    def handle(req: wire.Request) -> list[list[bytes]]:
+        if isinstance(req, wire.Ping):
+            return [wire.encode_notice("pressure", {"pool": "default", "usage": 0.9}), *base(req)]
         return base(req)
 
     r = router(handle)
-    seen: list[P.Notice] = []
+    seen: list[wire.Notice] = []
     with Client.connect(r.address, on_notice=seen.append) as kv:
         kv.ping()
-    assert seen == [P.Notice("pressure", {"pool": "default", "usage": 0.9})]
+    assert seen == [wire.Notice("pressure", {"pool": "default", "usage": 0.9})]
 
 
 def test_connect_with_nothing_listening_names_the_address(ipc_dir: Path) -> None:
@@ -298,7 +305,7 @@ def test_a_client_can_be_shared_by_threads(router: StartRouter) -> None:
         for t in threads:
             t.join()
     assert errors == []
-    assert sum(isinstance(q, P.Ping) for q in r.requests) == 200
+    assert sum(isinstance(q, wire.Ping) for q in r.requests) == 200
 
 
 def test_an_async_client_can_be_shared_by_tasks(router: StartRouter) -> None:
@@ -316,4 +323,4 @@ def test_an_async_client_can_be_shared_by_tasks(router: StartRouter) -> None:
                     tg.start_soon(work)
 
     anyio.run(main)
-    assert sum(isinstance(q, P.Ping) for q in r.requests) == 120
+    assert sum(isinstance(q, wire.Ping) for q in r.requests) == 120

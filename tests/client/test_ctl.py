@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvd_client import protocol as P
+from kvd_client import wire
 from kvd_client.ctl import (
     EXIT_ERROR,
     EXIT_OK,
@@ -50,32 +50,36 @@ CLIENTS: dict[str, Any] = {
 }
 
 
-def handler(check_ok: bool = True) -> Callable[[P.Request], list[list[bytes]]]:
-    def handle(req: P.Request) -> list[list[bytes]]:
+def handler(check_ok: bool = True) -> Callable[[wire.Request], list[list[bytes]]]:
+    def handle(req: wire.Request) -> list[list[bytes]]:
         rid = req.id  # type: ignore[attr-defined]
         match req:
-            case P.Stats(sections=None):
-                return [P.encode_ok(rid, P.InfoResult(info=STATS))]
-            case P.Stats(sections=wanted):
+            case wire.Stats(sections=None):
+                return [wire.encode_ok(rid, wire.InfoResult(info=STATS))]
+            case wire.Stats(sections=wanted):
                 if set(wanted) - STATS.keys():
-                    return [P.encode_error(rid, P.Code.INVALID, f"unknown stats sections {wanted}")]
-                return [P.encode_ok(rid, P.InfoResult(info={k: STATS[k] for k in wanted}))]
-            case P.Clients():
-                return [P.encode_ok(rid, P.InfoResult(info=CLIENTS))]
-            case P.Pools():
+                    return [
+                        wire.encode_error(
+                            rid, wire.Code.INVALID, f"unknown stats sections {wanted}"
+                        )
+                    ]
+                return [wire.encode_ok(rid, wire.InfoResult(info={k: STATS[k] for k in wanted}))]
+            case wire.Clients():
+                return [wire.encode_ok(rid, wire.InfoResult(info=CLIENTS))]
+            case wire.Pools():
                 return [
-                    P.encode_ok(
+                    wire.encode_ok(
                         rid,
-                        P.InfoResult(info={"pools": {"default": {"layout": {"num_layers": 2}}}}),
+                        wire.InfoResult(info={"pools": {"default": {"layout": {"num_layers": 2}}}}),
                     )
                 ]
-            case P.Check():
+            case wire.Check():
                 problems = [] if check_ok else ["default: free + evictable + in_use != total"]
-                return [P.encode_ok(rid, P.CheckResult(ok=check_ok, problems=problems))]
-            case P.Flush():
-                return [P.encode_ok(rid, P.FlushResult(dropped=5))]
-            case P.Ping():
-                return [P.encode_ok(rid, P.PingResult(epoch=7, version=1))]
+                return [wire.encode_ok(rid, wire.CheckResult(ok=check_ok, problems=problems))]
+            case wire.Flush():
+                return [wire.encode_ok(rid, wire.FlushResult(dropped=5))]
+            case wire.Ping():
+                return [wire.encode_ok(rid, wire.PingResult(epoch=7, version=1))]
         raise AssertionError(f"unexpected {req}")
 
     return handle
@@ -181,7 +185,7 @@ def test_check_ok(router: StartRouter) -> None:
 def test_flush_a_namespace(router: StartRouter) -> None:
     r = router(handler())
     assert run(r.address, "flush", "--namespace", "t1") == (EXIT_OK, "dropped:5\n")
-    assert r.requests[-1] == P.Flush(id=1, namespace="t1")
+    assert r.requests[-1] == wire.Flush(id=1, namespace="t1")
 
 
 def test_clients_and_pools(router: StartRouter) -> None:

@@ -27,8 +27,8 @@ from kvd_client.cuda import (
     layer_views,
 )
 from kvd_client.errors import InternalError, LayoutMismatch
-from kvd_client.layout import POOL_ALIGN, PoolLayout
 from kvd_client.pool import BACKENDS, open_pool
+from kvd_client.wire import POOL_ALIGN, PoolLayout
 
 UUID_BYTES = bytes.fromhex("8f2c1a0e5b7d4c3a9e1f00112233aabb")
 UUID = "GPU-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb"

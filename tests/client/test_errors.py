@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvd_client import errors as E
-from kvd_client.protocol import Code
+from kvd_client.wire import Code
 
 
 def test_every_wire_code_has_its_own_class() -> None:

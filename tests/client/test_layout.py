@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from kvd_client.layout import PAGE, POOL_ALIGN, PoolLayout
+from kvd_client.wire import PAGE, POOL_ALIGN, PoolLayout
 
 
 def _layout(**kw: object) -> PoolLayout:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 from kvd_client.errors import InternalError, LayoutMismatch
-from kvd_client.layout import PoolLayout
 from kvd_client.pool import BACKENDS, ShmPool, open_pool, register_backend
+from kvd_client.wire import PoolLayout
 
 from .support import LAYOUT, shm_handle
 
@@ -131,7 +131,7 @@ def test_writes_are_visible_to_another_process(pool_file: PoolFile) -> None:
     pool.layer(1)[1, 5].fill_(3.0)
     child = textwrap.dedent(
         f"""
-        from kvd_client.layout import PoolLayout
+        from kvd_client.wire import PoolLayout
         from kvd_client.pool import open_pool
         layout = PoolLayout(**{LAYOUT.to_dict()!r})
         handle = {{"backend": "shm", "path": {str(path)!r}, "size": layout.total_bytes,

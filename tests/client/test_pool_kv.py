@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from kvd_client.errors import InvalidRequest
-from kvd_client.layout import PoolLayout
 from kvd_client.pool import PoolMapping, ShmPool, open_pool
+from kvd_client.wire import PoolLayout
 
 from .support import LAYOUT, shm_handle
 

@@ -5,179 +5,183 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-from kvd_client import protocol as p
+from kvd_client import wire
 
 
 def _frames(kind: int, body: object, *extras: bytes) -> list[bytes]:
     return [bytes((kind,)), msgpack.packb(body, use_bin_type=True), *extras]
 
 
-def _code(frames: list[bytes]) -> p.Code:
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode_request(frames)
+def _code(frames: list[bytes]) -> wire.Code:
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode_request(frames)
     return info.value.code
 
 
 def test_request_round_trips_with_tokens_as_an_extra_frame() -> None:
     tokens = np.arange(40, dtype=np.int32)
-    frames = p.Allocate(id=3, seq="req-7", tokens=tokens, reserve=100).encode()
-    assert frames[0] == bytes((p.Kind.ALLOCATE,))
+    frames = wire.Allocate(id=3, seq="req-7", tokens=tokens, reserve=100).encode()
+    assert frames[0] == bytes((wire.Kind.ALLOCATE,))
     assert frames[2] == tokens.astype("<i4").tobytes()
-    decoded = p.decode_request(frames)
-    assert isinstance(decoded, p.Allocate)
+    decoded = wire.decode_request(frames)
+    assert isinstance(decoded, wire.Allocate)
     assert (decoded.id, decoded.seq, decoded.reserve) == (3, "req-7", 100)
     assert decoded.tokens.tolist() == list(range(40))
 
 
 def test_optional_fields_take_their_defaults() -> None:
-    decoded = p.decode_request(_frames(p.Kind.COMMIT, {"id": 1, "seq": "a"}))
-    assert decoded == p.Commit(id=1, seq="a", n=None)
+    decoded = wire.decode_request(_frames(wire.Kind.COMMIT, {"id": 1, "seq": "a"}))
+    assert decoded == wire.Commit(id=1, seq="a", n=None)
 
 
 def test_explicit_nil_counts_as_omitted() -> None:
-    decoded = p.decode_request(_frames(p.Kind.COMMIT, {"id": 1, "seq": "a", "n": None}))
-    assert decoded == p.Commit(id=1, seq="a", n=None)
+    decoded = wire.decode_request(_frames(wire.Kind.COMMIT, {"id": 1, "seq": "a", "n": None}))
+    assert decoded == wire.Commit(id=1, seq="a", n=None)
 
 
 def test_every_request_kind_round_trips() -> None:
-    samples: list[p.Request] = [
-        p.Hello(id=1, version=1, pool="default", name="x", pid=2, namespace="t"),
-        p.Heartbeat(id=1),
-        p.Goodbye(id=1),
-        p.Commit(id=1, seq="a", n=3),
-        p.Fork(id=1, seq="a", child="b", reserve=9),
-        p.Truncate(id=1, seq="a", n=0),
-        p.Free(id=1, seq="a"),
-        p.Pin(id=1, seq="a"),
-        p.Unpin(id=1, pin=4),
-        p.CanAllocate(id=1, tokens=10),
-        p.Stats(id=1, sections=["server"]),
-        p.Check(id=1),
-        p.Flush(id=1, namespace="t"),
-        p.Clients(id=1),
-        p.Pools(id=1),
-        p.Ping(id=1),
+    samples: list[wire.Request] = [
+        wire.Hello(id=1, version=1, pool="default", name="x", pid=2, namespace="t"),
+        wire.Heartbeat(id=1),
+        wire.Goodbye(id=1),
+        wire.Commit(id=1, seq="a", n=3),
+        wire.Fork(id=1, seq="a", child="b", reserve=9),
+        wire.Truncate(id=1, seq="a", n=0),
+        wire.Free(id=1, seq="a"),
+        wire.Pin(id=1, seq="a"),
+        wire.Unpin(id=1, pin=4),
+        wire.CanAllocate(id=1, tokens=10),
+        wire.Stats(id=1, sections=["server"]),
+        wire.Check(id=1),
+        wire.Flush(id=1, namespace="t"),
+        wire.Clients(id=1),
+        wire.Pools(id=1),
+        wire.Ping(id=1),
     ]
     for msg in samples:
-        assert p.decode_request(msg.encode()) == msg
-    assert {type(m).KIND for m in samples} | {p.Kind.ALLOCATE, p.Kind.APPEND, p.Kind.BATCH} == set(
-        p.REQUESTS
-    )
+        assert wire.decode_request(msg.encode()) == msg
+    assert {type(m).KIND for m in samples} | {
+        wire.Kind.ALLOCATE,
+        wire.Kind.APPEND,
+        wire.Kind.BATCH,
+    } == set(wire.REQUESTS)
 
 
 def test_unknown_kind_is_refused_with_the_request_id() -> None:
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode_request(_frames(0x7E, {"id": 42}))
-    assert info.value.code == p.Code.UNKNOWN_KIND
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode_request(_frames(0x7E, {"id": 42}))
+    assert info.value.code == wire.Code.UNKNOWN_KIND
     assert info.value.req_id == 42
 
 
 def test_reply_kinds_are_not_requests() -> None:
-    assert _code(_frames(p.Kind.OK, {"id": 1, "r": {}})) == p.Code.UNKNOWN_KIND
+    assert _code(_frames(wire.Kind.OK, {"id": 1, "r": {}})) == wire.Code.UNKNOWN_KIND
 
 
 def test_garbage_body_is_invalid() -> None:
-    assert _code([bytes((p.Kind.PING,)), b"\xc1\xff\x00"]) == p.Code.INVALID
+    assert _code([bytes((wire.Kind.PING,)), b"\xc1\xff\x00"]) == wire.Code.INVALID
 
 
 def test_trailing_bytes_after_the_body_are_invalid() -> None:
     body = msgpack.packb({"id": 1}) + b"\x00"
-    assert _code([bytes((p.Kind.PING,)), body]) == p.Code.INVALID
+    assert _code([bytes((wire.Kind.PING,)), body]) == wire.Code.INVALID
 
 
 def test_body_must_be_a_map() -> None:
-    assert _code(_frames(p.Kind.PING, [1, 2])) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.PING, [1, 2])) == wire.Code.INVALID
 
 
 def test_kind_frame_must_be_one_byte() -> None:
-    assert _code([b"\x25\x00", msgpack.packb({"id": 1})]) == p.Code.INVALID
+    assert _code([b"\x25\x00", msgpack.packb({"id": 1})]) == wire.Code.INVALID
 
 
 def test_a_single_frame_is_invalid() -> None:
-    assert _code([bytes((p.Kind.PING,))]) == p.Code.INVALID
+    assert _code([bytes((wire.Kind.PING,))]) == wire.Code.INVALID
 
 
 def test_missing_required_field_is_invalid() -> None:
-    assert _code(_frames(p.Kind.FREE, {"id": 1})) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.FREE, {"id": 1})) == wire.Code.INVALID
 
 
 def test_unknown_field_is_invalid() -> None:
-    assert _code(_frames(p.Kind.FREE, {"id": 1, "seq": "a", "evil": 1})) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.FREE, {"id": 1, "seq": "a", "evil": 1})) == wire.Code.INVALID
 
 
 @pytest.mark.parametrize("value", [True, 1.5, "3", b"3", [3], {"n": 3}])
 def test_integer_fields_reject_other_types(value: object) -> None:
-    assert _code(_frames(p.Kind.TRUNCATE, {"id": 1, "seq": "a", "n": value})) == p.Code.INVALID
+    assert (
+        _code(_frames(wire.Kind.TRUNCATE, {"id": 1, "seq": "a", "n": value})) == wire.Code.INVALID
+    )
 
 
 def test_the_full_unsigned_64_bit_range_decodes() -> None:
     # Range checks of ids are the handlers' job; the decoder only bounds to 64 bits.
     body = b"\x82\xa2id\x01\xa3pin\xcf" + b"\xff" * 8
-    decoded = p.decode_request([bytes((p.Kind.UNPIN,)), body])
-    assert isinstance(decoded, p.Unpin)
+    decoded = wire.decode_request([bytes((wire.Kind.UNPIN,)), body])
+    assert isinstance(decoded, wire.Unpin)
     assert decoded.pin == 2**64 - 1
 
 
 def test_string_fields_are_bounded() -> None:
-    long_id = "x" * (p.MAX_NAME_LEN + 1)
-    assert _code(_frames(p.Kind.FREE, {"id": 1, "seq": long_id})) == p.Code.TOO_LARGE
+    long_id = "x" * (wire.MAX_NAME_LEN + 1)
+    assert _code(_frames(wire.Kind.FREE, {"id": 1, "seq": long_id})) == wire.Code.TOO_LARGE
 
 
 def test_token_field_must_name_an_existing_frame() -> None:
     body = {"id": 1, "seq": "a", "tokens": 1}
-    assert _code(_frames(p.Kind.APPEND, body, b"\x00" * 4)) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.APPEND, body, b"\x00" * 4)) == wire.Code.INVALID
 
 
 def test_token_frame_must_hold_whole_int32s() -> None:
     body = {"id": 1, "seq": "a", "tokens": 0}
-    assert _code(_frames(p.Kind.APPEND, body, b"\x00" * 5)) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.APPEND, body, b"\x00" * 5)) == wire.Code.INVALID
 
 
 def test_negative_token_ids_are_invalid() -> None:
     body = {"id": 1, "seq": "a", "tokens": 0}
     frame = np.array([1, -1], dtype="<i4").tobytes()
-    assert _code(_frames(p.Kind.APPEND, body, frame)) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.APPEND, body, frame)) == wire.Code.INVALID
 
 
 def test_too_many_frames_is_too_large() -> None:
-    frames = _frames(p.Kind.PING, {"id": 1}, *([b""] * p.MAX_FRAMES))
-    assert _code(frames) == p.Code.TOO_LARGE
+    frames = _frames(wire.Kind.PING, {"id": 1}, *([b""] * wire.MAX_FRAMES))
+    assert _code(frames) == wire.Code.TOO_LARGE
 
 
 def test_tokens_to_bytes_rejects_floats_and_out_of_range() -> None:
     with pytest.raises(ValueError, match="integers"):
-        p.tokens_to_bytes(np.array([1.0, 2.0]))
+        wire.tokens_to_bytes(np.array([1.0, 2.0]))
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        p.tokens_to_bytes([2**31])
+        wire.tokens_to_bytes([2**31])
 
 
 def test_batch_carries_ops_and_one_shared_token_frame() -> None:
     ops = [
-        p.Free(id=0, seq="x"),
-        p.Append(id=0, seq="y", tokens=np.arange(3, dtype=np.int32)),
-        p.Append(id=0, seq="z", tokens=np.arange(5, dtype=np.int32)),
+        wire.Free(id=0, seq="x"),
+        wire.Append(id=0, seq="y", tokens=np.arange(3, dtype=np.int32)),
+        wire.Append(id=0, seq="z", tokens=np.arange(5, dtype=np.int32)),
     ]
-    frames = p.encode_batch(9, ops)
+    frames = wire.encode_batch(9, ops)
     assert len(frames) == 3
-    batch = p.decode_request(frames)
-    assert isinstance(batch, p.Batch)
-    extras = p.TokenFrames(frames[2:])
-    decoded = [p.decode_batch_op(op, extras) for op in batch.ops]
-    assert [type(d) for d in decoded] == [p.Free, p.Append, p.Append]
-    assert isinstance(decoded[2], p.Append)
+    batch = wire.decode_request(frames)
+    assert isinstance(batch, wire.Batch)
+    extras = wire.TokenFrames(frames[2:])
+    decoded = [wire.decode_batch_op(op, extras) for op in batch.ops]
+    assert [type(d) for d in decoded] == [wire.Free, wire.Append, wire.Append]
+    assert isinstance(decoded[2], wire.Append)
     assert decoded[2].tokens.tolist() == [0, 1, 2, 3, 4]
     assert batch.ops[2][1]["tokens"] == [0, 3, 8]
 
 
 def test_batch_without_tokens_has_no_extra_frame() -> None:
-    assert len(p.encode_batch(1, [p.Free(id=0, seq="x")])) == 2
+    assert len(wire.encode_batch(1, [wire.Free(id=0, seq="x")])) == 2
 
 
 def test_token_slice_decodes_from_a_plain_frame_list() -> None:
     frame = np.arange(6, dtype="<i4").tobytes()
-    op = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
-    decoded = p.decode_batch_op(op, [frame])
-    assert isinstance(decoded, p.Append)
+    op = [int(wire.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
+    decoded = wire.decode_batch_op(op, [frame])
+    assert isinstance(decoded, wire.Append)
     assert decoded.tokens.tolist() == [2, 3]
 
 
@@ -185,61 +189,61 @@ def test_token_slice_decodes_from_a_plain_frame_list() -> None:
 def test_token_slice_must_lie_in_an_existing_frame(value: object) -> None:
     body = {"id": 1, "seq": "a", "tokens": value}
     frame = np.arange(6, dtype="<i4").tobytes()
-    assert _code(_frames(p.Kind.APPEND, body, frame)) == p.Code.INVALID
+    assert _code(_frames(wire.Kind.APPEND, body, frame)) == wire.Code.INVALID
 
 
 def test_a_negative_token_fails_only_the_slice_holding_it() -> None:
-    extras = p.TokenFrames([np.array([1, 2, -3, 4], dtype="<i4").tobytes()])
-    ok = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 0, 2]}]
-    bad = [int(p.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
-    assert p.decode_batch_op(ok, extras).tokens.tolist() == [1, 2]  # type: ignore[attr-defined]
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode_batch_op(bad, extras)
-    assert info.value.code == p.Code.INVALID
+    extras = wire.TokenFrames([np.array([1, 2, -3, 4], dtype="<i4").tobytes()])
+    ok = [int(wire.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 0, 2]}]
+    bad = [int(wire.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
+    assert wire.decode_batch_op(ok, extras).tokens.tolist() == [1, 2]  # type: ignore[attr-defined]
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode_batch_op(bad, extras)
+    assert info.value.code == wire.Code.INVALID
 
 
 def test_batch_refuses_negative_tokens_when_encoding() -> None:
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        p.encode_batch(1, [p.Append(id=0, seq="a", tokens=np.array([-1], dtype=np.int32))])
+        wire.encode_batch(1, [wire.Append(id=0, seq="a", tokens=np.array([-1], dtype=np.int32))])
 
 
 def test_batch_refuses_unbatchable_ops() -> None:
     with pytest.raises(ValueError, match="cannot be batched"):
-        p.encode_batch(1, [p.Stats(id=0)])
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode_batch_op([int(p.Kind.HELLO), {"id": 0}], [])
-    assert info.value.code == p.Code.INVALID
+        wire.encode_batch(1, [wire.Stats(id=0)])
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode_batch_op([int(wire.Kind.HELLO), {"id": 0}], [])
+    assert info.value.code == wire.Code.INVALID
 
 
 def test_batch_op_must_be_a_pair() -> None:
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode_batch_op({"kind": 1}, [])
-    assert info.value.code == p.Code.INVALID
+    with pytest.raises(wire.ProtocolError) as info:
+        wire.decode_batch_op({"kind": 1}, [])
+    assert info.value.code == wire.Code.INVALID
 
 
 def test_ok_reply_round_trips_a_typed_result() -> None:
-    result = p.AllocateResult(table=np.array([4, 5, 6], dtype=np.int32), cached=16, reserved=2)
-    reply = p.decode_reply(p.encode_ok(7, result))
-    assert isinstance(reply, p.OkReply)
+    result = wire.AllocateResult(table=np.array([4, 5, 6], dtype=np.int32), cached=16, reserved=2)
+    reply = wire.decode_reply(wire.encode_ok(7, result))
+    assert isinstance(reply, wire.OkReply)
     assert reply.id == 7
-    decoded = p.AllocateResult.from_map(reply.result, reply.extras)
+    decoded = wire.AllocateResult.from_map(reply.result, reply.extras)
     assert decoded.table.tolist() == [4, 5, 6]
     assert (decoded.cached, decoded.reserved) == (16, 2)
 
 
 def test_error_reply_carries_code_and_message() -> None:
-    reply = p.decode_reply(p.encode_error(5, p.Code.OUT_OF_BLOCKS, "no room"))
-    assert reply == p.ErrorReply(5, "OUT_OF_BLOCKS", "no room")
+    reply = wire.decode_reply(wire.encode_error(5, wire.Code.OUT_OF_BLOCKS, "no room"))
+    assert reply == wire.ErrorReply(5, "OUT_OF_BLOCKS", "no room")
 
 
 def test_notice_round_trips() -> None:
-    reply = p.decode_reply(p.encode_notice("pressure", {"usage": 0.9}))
-    assert reply == p.Notice("pressure", {"usage": 0.9})
+    reply = wire.decode_reply(wire.encode_notice("pressure", {"usage": 0.9}))
+    assert reply == wire.Notice("pressure", {"usage": 0.9})
 
 
 def test_every_result_type_is_declared_for_every_request_kind() -> None:
-    assert set(p.RESULTS) == set(p.REQUESTS)
+    assert set(wire.RESULTS) == set(wire.REQUESTS)
 
 
 def test_codes_are_their_own_names() -> None:
-    assert all(code.value == code.name for code in p.Code)
+    assert all(code.value == code.name for code in wire.Code)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import anyio
 import pytest
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 from kvd_client.core import Identity, Session
 from kvd_client.errors import DaemonUnavailable
 from kvd_client.transport import AsyncTransport, BlockingTransport, dealer
@@ -18,14 +18,14 @@ from .support import Router
 StartRouter = Callable[..., Router]
 
 
-def late_replies(req: P.Request) -> list[list[bytes]]:
+def late_replies(req: wire.Request) -> list[list[bytes]]:
     """Ping 1 gets no reply; ping 2 gets ping 1's late reply first, then its own."""
-    assert isinstance(req, P.Ping)
+    assert isinstance(req, wire.Ping)
     if req.id == 1:
         return []
     return [
-        P.encode_ok(1, P.PingResult(epoch=1, version=1)),
-        P.encode_ok(2, P.PingResult(epoch=2, version=1)),
+        wire.encode_ok(1, wire.PingResult(epoch=1, version=1)),
+        wire.encode_ok(2, wire.PingResult(epoch=2, version=1)),
     ]
 
 
@@ -35,8 +35,8 @@ def test_blocking_timeout_then_the_late_reply_is_dropped(router: StartRouter) ->
     transport = BlockingTransport(r.address)
     try:
         with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-            transport.roundtrip(session, P.Ping(id=1), 0.2)
-        reply = transport.roundtrip(session, P.Ping(id=2), 5.0)
+            transport.roundtrip(session, wire.Ping(id=1), 0.2)
+        reply = transport.roundtrip(session, wire.Ping(id=2), 5.0)
     finally:
         transport.close()
     assert (reply.id, reply.result["epoch"]) == (2, 2)
@@ -46,12 +46,12 @@ def test_async_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> No
     r = router(late_replies)
     session = Session(Identity(pool=None, name="t"))
 
-    async def main() -> P.OkReply:
+    async def main() -> wire.OkReply:
         transport = AsyncTransport(r.address)
         try:
             with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-                await transport.roundtrip(session, P.Ping(id=1), 0.2)
-            return await transport.roundtrip(session, P.Ping(id=2), 5.0)
+                await transport.roundtrip(session, wire.Ping(id=1), 0.2)
+            return await transport.roundtrip(session, wire.Ping(id=2), 5.0)
         finally:
             transport.close()
 

@@ -20,13 +20,13 @@ import numpy as np
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvd_client import protocol as P
+from kvd_client import wire
 
 BS = 16
 VICTIM_PROMPT = list(range(700, 700 + 2 * BS + 3))
-CODES = {str(c) for c in P.Code}
-KINDS = sorted(k for k in P.REQUESTS if k != P.Kind.FLUSH)
-UNKNOWN_KINDS = sorted(set(range(256)) - set(P.REQUESTS))
+CODES = {str(c) for c in wire.Code}
+KINDS = sorted(k for k in wire.REQUESTS if k != wire.Kind.FLUSH)
+UNKNOWN_KINDS = sorted(set(range(256)) - set(wire.REQUESTS))
 FIELDS = [
     "id",
     "seq",
@@ -70,7 +70,7 @@ def _pack(body: Any) -> bytes:
 
 
 random_frames = st.lists(st.binary(max_size=40), min_size=1, max_size=5).filter(
-    lambda fs: not (fs and fs[0] == bytes((P.Kind.FLUSH,)))
+    lambda fs: not (fs and fs[0] == bytes((wire.Kind.FLUSH,)))
 )
 wrong_types = st.builds(
     lambda kind, body: [bytes((kind,)), _pack(body)],
@@ -84,47 +84,49 @@ unknown_kind = st.builds(
 )
 huge_lists = st.one_of(
     st.builds(
-        lambda n, op: [bytes((P.Kind.BATCH,)), _pack({"id": 1, "ops": [op] * n})],
-        st.integers(min_value=P.MAX_BATCH_OPS + 1, max_value=P.MAX_BATCH_OPS * 5),
+        lambda n, op: [bytes((wire.Kind.BATCH,)), _pack({"id": 1, "ops": [op] * n})],
+        st.integers(min_value=wire.MAX_BATCH_OPS + 1, max_value=wire.MAX_BATCH_OPS * 5),
         st.sampled_from([[0x15, {"id": 0, "seq": "ghost"}], "junk", [0x10, {}], []]),
     ),
     st.builds(
-        lambda n: [bytes((P.Kind.STATS,)), _pack({"id": 2, "sections": ["x"] * n})],
+        lambda n: [bytes((wire.Kind.STATS,)), _pack({"id": 2, "sections": ["x"] * n})],
         st.integers(min_value=100, max_value=20_000),
     ),
     st.builds(
         # more tokens than the tiny pool holds: refused, nothing allocated
         lambda n: [
-            bytes((P.Kind.ALLOCATE,)),
+            bytes((wire.Kind.ALLOCATE,)),
             _pack({"id": 3, "seq": "huge", "tokens": 0}),
             np.arange(n, dtype="<i4").tobytes(),
         ],
         st.integers(min_value=64 * BS + 1, max_value=300_000),
     ),
-    st.just([bytes((P.Kind.PING,)), _pack({"id": 4})] + [b""] * (P.MAX_FRAMES + 1)),
+    st.just([bytes((wire.Kind.PING,)), _pack({"id": 4})] + [b""] * (wire.MAX_FRAMES + 1)),
 )
 foreign_ids = st.one_of(
     st.builds(
-        lambda seq, rid: P.Free(id=rid, seq=seq).encode(),
+        lambda seq, rid: wire.Free(id=rid, seq=seq).encode(),
         st.sampled_from(["victim", "ghost"]),
         st.integers(min_value=0, max_value=2**63),
     ),
-    st.builds(lambda n: P.Truncate(id=5, seq="victim", n=n).encode(), st.integers(-(2**40), 2**40)),
-    st.builds(lambda p: P.Unpin(id=6, pin=p).encode(), st.integers(-(2**63), 2**63)),
-    st.builds(lambda: P.Fork(id=7, seq="victim", child="mine").encode()),
-    st.builds(lambda n: P.Commit(id=8, seq="victim", n=n).encode(), st.integers(-5, 10**9)),
-    st.builds(lambda: P.Pin(id=9, seq="victim").encode()),
     st.builds(
-        lambda rid: [bytes((P.Kind.PING,)), _pack({"id": rid})], st.integers(-(2**63), 2**64 - 1)
+        lambda n: wire.Truncate(id=5, seq="victim", n=n).encode(), st.integers(-(2**40), 2**40)
+    ),
+    st.builds(lambda p: wire.Unpin(id=6, pin=p).encode(), st.integers(-(2**63), 2**63)),
+    st.builds(lambda: wire.Fork(id=7, seq="victim", child="mine").encode()),
+    st.builds(lambda n: wire.Commit(id=8, seq="victim", n=n).encode(), st.integers(-5, 10**9)),
+    st.builds(lambda: wire.Pin(id=9, seq="victim").encode()),
+    st.builds(
+        lambda rid: [bytes((wire.Kind.PING,)), _pack({"id": rid})], st.integers(-(2**63), 2**64 - 1)
     ),
 )
 TEMPLATES = [
-    P.Free(id=11, seq="victim").encode(),
-    P.Commit(id=12, seq="victim", n=3).encode(),
-    P.Truncate(id=13, seq="victim", n=1).encode(),
-    P.Ping(id=14).encode(),
-    P.Stats(id=15, sections=["blocks"]).encode(),
-    P.encode_batch(16, [P.Free(id=0, seq="victim"), P.Commit(id=0, seq="victim")]),
+    wire.Free(id=11, seq="victim").encode(),
+    wire.Commit(id=12, seq="victim", n=3).encode(),
+    wire.Truncate(id=13, seq="victim", n=1).encode(),
+    wire.Ping(id=14).encode(),
+    wire.Stats(id=15, sections=["blocks"]).encode(),
+    wire.encode_batch(16, [wire.Free(id=0, seq="victim"), wire.Commit(id=0, seq="victim")]),
 ]
 
 
@@ -143,8 +145,8 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
         elif body:
             del body[min(pos, len(body) - 1)]
     frames[i] = bytes(body)
-    if frames and frames[0] == bytes((P.Kind.FLUSH,)):
-        frames[0] = bytes((P.Kind.PING,))
+    if frames and frames[0] == bytes((wire.Kind.FLUSH,)):
+        frames[0] = bytes((wire.Kind.PING,))
     return frames
 
 
@@ -166,12 +168,14 @@ def _short(frames: list[bytes]) -> str:
 def _rpc(sock: zmq.Socket[bytes], frames: list[bytes]) -> Any:
     sock.send_multipart(frames)
     assert sock.poll(10_000), f"no reply to {_short(frames)}"
-    return P.decode_reply(sock.recv_multipart())
+    return wire.decode_reply(sock.recv_multipart())
 
 
 def _hello(sock: zmq.Socket[bytes]) -> None:
-    hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="fuzz", pid=os.getpid())
-    assert isinstance(_rpc(sock, hello.encode()), P.OkReply)
+    hello = wire.Hello(
+        id=1, version=wire.PROTOCOL_VERSION, pool="default", name="fuzz", pid=os.getpid()
+    )
+    assert isinstance(_rpc(sock, hello.encode()), wire.OkReply)
 
 
 def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_agent) -> None:
@@ -207,12 +211,12 @@ def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_ag
         for frames, must_fail in batch:
             reply = _rpc(sock, frames)
             sent["messages"] += 1
-            assert isinstance(reply, P.OkReply | P.ErrorReply), _short(frames)
-            if isinstance(reply, P.ErrorReply):
+            assert isinstance(reply, wire.OkReply | wire.ErrorReply), _short(frames)
+            if isinstance(reply, wire.ErrorReply):
                 sent["errors"] += 1
                 assert reply.code in CODES, (reply.code, _short(frames))
-                assert reply.code != P.Code.INTERNAL, (reply.msg, _short(frames))
-                if reply.code == P.Code.SESSION_LOST and use_session:
+                assert reply.code != wire.Code.INTERNAL, (reply.msg, _short(frames))
+                if reply.code == wire.Code.SESSION_LOST and use_session:
                     _hello(with_session)  # a fuzzed goodbye closed it
             else:
                 assert not must_fail, f"accepted: {_short(frames)}"
@@ -221,7 +225,7 @@ def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_ag
         fuzz()
         assert sent["messages"] > 1000
         assert sent["errors"] > sent["messages"] // 2
-        _rpc(with_session, P.Goodbye(id=99).encode())
+        _rpc(with_session, wire.Goodbye(id=99).encode())
     finally:
         with_session.close(0)
         without.close(0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from kvd_client import Client
 from kvd_client.errors import Forbidden, LayoutMismatch, QuotaExceeded
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 from kvd.memory.shm import segment_path
 

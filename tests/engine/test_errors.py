@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvd_client.protocol import Code as WireCode
+from kvd_client.wire import Code as WireCode
 
 from kvd.engine import Code, EngineError, ExistsError, InvalidError, InvariantError, NotFoundError
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq.auth
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from .worker import COUNTERS, make_counter_file
 
@@ -107,8 +107,8 @@ def total_counts(stats: Path) -> dict[str, int]:
 
 def sessions(daemon: Any) -> list[dict[str, Any]]:
     """The daemon's session listing (CLIENTS)."""
-    reply = daemon.call(P.Clients(id=1))
-    assert isinstance(reply, P.OkReply), reply
+    reply = daemon.call(wire.Clients(id=1))
+    assert isinstance(reply, wire.OkReply), reply
     listing: list[dict[str, Any]] = reply.result["info"]["sessions"]
     return listing
 

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from kvd_client import Client, KvdError
 from kvd_client.errors import DaemonUnavailable, OutOfBlocks, SessionLost, ShuttingDown
-from kvd_client.protocol import Code
+from kvd_client.wire import Code
 
 OPS = (
     "allocate",

@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.config import load_config
 from kvd.engine import Engine, EngineConfig
@@ -36,7 +36,7 @@ from kvd.server.sessions import PeerCred, SessionTable
 
 BS = 16
 NUM_BLOCKS = 16
-CODES = frozenset(str(c) for c in P.Code)
+CODES = frozenset(str(c) for c in wire.Code)
 #: Engine fields that count outcomes rather than hold state (a refusal is counted).
 COUNTER_FIELDS = frozenset({"_refusals"})
 #: Session fields a request renews by design (the lease) or counts.
@@ -126,20 +126,23 @@ class Target:
         self.rejected = 0
         for who in (VICTIM, ATTACKER):
             self._ok(
-                P.Hello(id=0, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=1), who
+                wire.Hello(id=0, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1),
+                who,
             )
         tokens = np.arange(100, 100 + 2 * BS + 5, dtype=np.int32)
-        self._ok(P.Allocate(id=0, seq="victim", tokens=tokens), VICTIM)
-        self._ok(P.Commit(id=0, seq="victim", n=2 * BS), VICTIM)
-        self.victim_pin = int(self._ok(P.Pin(id=0, seq="victim"), VICTIM)["pin"])
-        self._ok(P.Fork(id=0, seq="victim", child="victim.1"), VICTIM)
-        self._ok(P.Allocate(id=0, seq="mine", tokens=np.arange(BS + 3, dtype=np.int32)), ATTACKER)
-        self._ok(P.Commit(id=0, seq="mine", n=BS), ATTACKER)
-        self.attacker_pin = int(self._ok(P.Pin(id=0, seq="mine"), ATTACKER)["pin"])
+        self._ok(wire.Allocate(id=0, seq="victim", tokens=tokens), VICTIM)
+        self._ok(wire.Commit(id=0, seq="victim", n=2 * BS), VICTIM)
+        self.victim_pin = int(self._ok(wire.Pin(id=0, seq="victim"), VICTIM)["pin"])
+        self._ok(wire.Fork(id=0, seq="victim", child="victim.1"), VICTIM)
+        self._ok(
+            wire.Allocate(id=0, seq="mine", tokens=np.arange(BS + 3, dtype=np.int32)), ATTACKER
+        )
+        self._ok(wire.Commit(id=0, seq="mine", n=BS), ATTACKER)
+        self.attacker_pin = int(self._ok(wire.Pin(id=0, seq="mine"), ATTACKER)["pin"])
 
-    def _ok(self, req: P.Request, who: bytes) -> dict[str, Any]:
-        reply = P.decode_reply(self.dispatcher.handle(who, req.encode(), PeerCred(1, 1, 1)))
-        if not isinstance(reply, P.OkReply):
+    def _ok(self, req: wire.Request, who: bytes) -> dict[str, Any]:
+        reply = wire.decode_reply(self.dispatcher.handle(who, req.encode(), PeerCred(1, 1, 1)))
+        if not isinstance(reply, wire.OkReply):
             raise RuntimeError(f"setup {req}: {reply}")
         return reply.result
 
@@ -171,32 +174,32 @@ class Target:
 
     # -- one message ----------------------------------------------------------
 
-    def send(self, frames: list[bytes], who: bytes = ATTACKER) -> P.OkReply | P.ErrorReply:
+    def send(self, frames: list[bytes], who: bytes = ATTACKER) -> wire.OkReply | wire.ErrorReply:
         """Dispatch ``frames`` from ``who`` and check every rule (FuzzFailure)."""
         before = self.snapshot()
         victim = self.victim_view()
         try:
             raw = self.dispatcher.handle(who, frames, PeerCred(1, 1, 1) if who != NOBODY else None)
-            reply = P.decode_reply(raw)
+            reply = wire.decode_reply(raw)
         except Exception as exc:
             raise FuzzFailure(f"{type(exc).__name__}: {exc} on {_short(frames)}") from exc
         self.messages += 1
-        if isinstance(reply, P.Notice):
+        if isinstance(reply, wire.Notice):
             raise FuzzFailure(f"a notice as the reply to {_short(frames)}")
         try:
             self.engine.check_invariants()
         except InvariantError as exc:
             raise FuzzFailure(f"invariants broken by {_short(frames)}: {exc.problems}") from None
-        rejected = isinstance(reply, P.ErrorReply)
+        rejected = isinstance(reply, wire.ErrorReply)
         if rejected:
-            assert isinstance(reply, P.ErrorReply)
-            if reply.code not in CODES or reply.code == P.Code.INTERNAL:
+            assert isinstance(reply, wire.ErrorReply)
+            if reply.code not in CODES or reply.code == wire.Code.INTERNAL:
                 raise FuzzFailure(f"{reply.code}: {reply.msg} on {_short(frames)}")
-        elif frames and frames[0] == bytes((P.Kind.BATCH,)):
+        elif frames and frames[0] == bytes((wire.Kind.BATCH,)):
             results = reply.result.get("results", [])
             rejected = all(not r["ok"] for r in results)
             for r in results:
-                if not r["ok"] and (r["code"] not in CODES or r["code"] == P.Code.INTERNAL):
+                if not r["ok"] and (r["code"] not in CODES or r["code"] == wire.Code.INTERNAL):
                     raise FuzzFailure(f"batch op {r} on {_short(frames)}")
         if rejected:
             self.rejected += 1

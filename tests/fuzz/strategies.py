@@ -8,13 +8,15 @@ from typing import Any
 import msgpack
 import numpy as np
 from hypothesis import strategies as st
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from .harness import BS, NUM_BLOCKS, VICTIM_SEQS
 
-KINDS = sorted(P.REQUESTS)
-BATCHABLE = sorted(k for k, cls in P.REQUESTS.items() if cls.BATCHABLE)
-FIELDS = sorted({f.name for cls in P.REQUESTS.values() for f in cls._fields()} | {"r", "code", "x"})
+KINDS = sorted(wire.REQUESTS)
+BATCHABLE = sorted(k for k, cls in wire.REQUESTS.items() if cls.BATCHABLE)
+FIELDS = sorted(
+    {f.name for cls in wire.REQUESTS.values() for f in cls._fields()} | {"r", "code", "x"}
+)
 SEQ_IDS = st.sampled_from([*VICTIM_SEQS, "mine", "ghost", "", "x" * 300, "victim\x00"])
 #: Integers at every interesting edge: negative, zero, block edges, int64/uint64 limits.
 INTS = st.one_of(
@@ -111,20 +113,20 @@ def wild_requests(draw: st.DrawFn) -> list[bytes]:
     body: dict[str, Any] = {"id": rid}
     extras: list[bytes] = []
     kind = {
-        "allocate": P.Kind.ALLOCATE,
-        "append": P.Kind.APPEND,
-        "commit": P.Kind.COMMIT,
-        "fork": P.Kind.FORK,
-        "truncate": P.Kind.TRUNCATE,
-        "free": P.Kind.FREE,
-        "pin": P.Kind.PIN,
-        "unpin": P.Kind.UNPIN,
-        "can_allocate": P.Kind.CAN_ALLOCATE,
-        "hello": P.Kind.HELLO,
-        "flush": P.Kind.FLUSH,
-        "stats": P.Kind.STATS,
-        "goodbye": P.Kind.GOODBYE,
-        "batch": P.Kind.BATCH,
+        "allocate": wire.Kind.ALLOCATE,
+        "append": wire.Kind.APPEND,
+        "commit": wire.Kind.COMMIT,
+        "fork": wire.Kind.FORK,
+        "truncate": wire.Kind.TRUNCATE,
+        "free": wire.Kind.FREE,
+        "pin": wire.Kind.PIN,
+        "unpin": wire.Kind.UNPIN,
+        "can_allocate": wire.Kind.CAN_ALLOCATE,
+        "hello": wire.Kind.HELLO,
+        "flush": wire.Kind.FLUSH,
+        "stats": wire.Kind.STATS,
+        "goodbye": wire.Kind.GOODBYE,
+        "batch": wire.Kind.BATCH,
     }[which]
     if which in ("allocate", "append"):
         body |= {"seq": seq, "tokens": 0}
@@ -145,7 +147,7 @@ def wild_requests(draw: st.DrawFn) -> list[bytes]:
         body |= {"tokens": draw(INTS.filter(lambda v: -(2**63) <= v < 2**64))}
     elif which == "hello":
         body |= {
-            "version": draw(st.sampled_from([P.PROTOCOL_VERSION, 0, 2])),
+            "version": draw(st.sampled_from([wire.PROTOCOL_VERSION, 0, 2])),
             "pool": draw(st.sampled_from(["default", "other", ""])),
             "name": "fuzz",
             "pid": draw(INTS.filter(lambda v: -(2**63) <= v < 2**64)),
@@ -162,9 +164,9 @@ def wild_requests(draw: st.DrawFn) -> list[bytes]:
         for _ in range(draw(st.integers(0, 6))):
             sub = draw(st.sampled_from([*BATCHABLE, 0x01, 0x1F, 0x99]))
             sub_body: dict[str, Any] = {"id": 0, "seq": draw(SEQ_IDS)}
-            if sub in (P.Kind.ALLOCATE, P.Kind.APPEND):
+            if sub in (wire.Kind.ALLOCATE, wire.Kind.APPEND):
                 sub_body["tokens"] = draw(st.integers(-1, 2))
-            if sub == P.Kind.UNPIN:
+            if sub == wire.Kind.UNPIN:
                 sub_body = {"id": 0, "pin": draw(st.sampled_from([1, 2, 3, 99]))}
             ops.append(draw(st.sampled_from([[sub, sub_body], [sub], "junk", [sub, sub_body, 1]])))
         body["ops"] = ops
@@ -173,17 +175,17 @@ def wild_requests(draw: st.DrawFn) -> list[bytes]:
 
 
 TEMPLATES = [
-    P.Allocate(id=1, seq="new", tokens=np.arange(40, dtype=np.int32), reserve=64).encode(),
-    P.Append(id=2, seq="mine", tokens=np.arange(5, dtype=np.int32)).encode(),
-    P.Commit(id=3, seq="victim", n=3).encode(),
-    P.Truncate(id=4, seq="victim.1", n=1).encode(),
-    P.Fork(id=5, seq="mine", child="kid").encode(),
-    P.Unpin(id=6, pin=1).encode(),
-    P.Pin(id=7, seq="mine", n=BS).encode(),
-    P.Free(id=8, seq="mine").encode(),
-    P.Stats(id=9, sections=["blocks"]).encode(),
-    P.Hello(id=10, version=P.PROTOCOL_VERSION, pool="default", name="m", pid=3).encode(),
-    P.encode_batch(11, [P.Free(id=0, seq="victim"), P.Commit(id=0, seq="mine")]),
+    wire.Allocate(id=1, seq="new", tokens=np.arange(40, dtype=np.int32), reserve=64).encode(),
+    wire.Append(id=2, seq="mine", tokens=np.arange(5, dtype=np.int32)).encode(),
+    wire.Commit(id=3, seq="victim", n=3).encode(),
+    wire.Truncate(id=4, seq="victim.1", n=1).encode(),
+    wire.Fork(id=5, seq="mine", child="kid").encode(),
+    wire.Unpin(id=6, pin=1).encode(),
+    wire.Pin(id=7, seq="mine", n=BS).encode(),
+    wire.Free(id=8, seq="mine").encode(),
+    wire.Stats(id=9, sections=["blocks"]).encode(),
+    wire.Hello(id=10, version=wire.PROTOCOL_VERSION, pool="default", name="m", pid=3).encode(),
+    wire.encode_batch(11, [wire.Free(id=0, seq="victim"), wire.Commit(id=0, seq="mine")]),
 ]
 
 
@@ -217,19 +219,19 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
 huge = st.one_of(
     st.builds(
         lambda n: [
-            bytes((P.Kind.BATCH,)),
+            bytes((wire.Kind.BATCH,)),
             pack({"id": 1, "ops": [[0x15, {"id": 0, "seq": "x"}]] * n}),
         ],
-        st.integers(P.MAX_BATCH_OPS - 1, P.MAX_BATCH_OPS + 2),
+        st.integers(wire.MAX_BATCH_OPS - 1, wire.MAX_BATCH_OPS + 2),
     ),
     st.builds(
-        lambda n: [bytes((P.Kind.STATS,)), pack({"id": 2, "sections": ["x"] * n})],
+        lambda n: [bytes((wire.Kind.STATS,)), pack({"id": 2, "sections": ["x"] * n})],
         st.integers(1000, 20_000),
     ),
-    st.just([bytes((P.Kind.PING,)), pack({"id": 4})] + [b""] * (P.MAX_FRAMES - 1)),
-    st.just([bytes((P.Kind.PING,)), pack({"id": 4})] + [b""] * (P.MAX_FRAMES + 1)),
+    st.just([bytes((wire.Kind.PING,)), pack({"id": 4})] + [b""] * (wire.MAX_FRAMES - 1)),
+    st.just([bytes((wire.Kind.PING,)), pack({"id": 4})] + [b""] * (wire.MAX_FRAMES + 1)),
     st.builds(
-        lambda d: [bytes((P.Kind.PING,)), d],
+        lambda d: [bytes((wire.Kind.PING,)), d],
         st.sampled_from(
             [
                 b"\xdd\xff\xff\xff\xff",  # array32 claiming 4 Gi elements
@@ -251,15 +253,17 @@ def valid_ops(draw: st.DrawFn) -> list[bytes]:
     req = draw(
         st.sampled_from(
             [
-                P.Allocate(id=1, seq=seq, tokens=tokens, reserve=draw(st.sampled_from([None, 48]))),
-                P.Append(id=2, seq=seq, tokens=tokens[: draw(st.integers(0, 5))]),
-                P.Commit(id=3, seq=seq),
-                P.Fork(id=4, seq=seq, child=draw(st.sampled_from(["a", "b", "c"]))),
-                P.Truncate(id=5, seq=seq, n=draw(st.integers(0, BS + 2))),
-                P.Free(id=6, seq=seq),
-                P.Pin(id=7, seq=seq),
-                P.Unpin(id=8, pin=draw(st.integers(1, 4))),
-                P.CanAllocate(id=9, tokens=draw(st.integers(0, 300))),
+                wire.Allocate(
+                    id=1, seq=seq, tokens=tokens, reserve=draw(st.sampled_from([None, 48]))
+                ),
+                wire.Append(id=2, seq=seq, tokens=tokens[: draw(st.integers(0, 5))]),
+                wire.Commit(id=3, seq=seq),
+                wire.Fork(id=4, seq=seq, child=draw(st.sampled_from(["a", "b", "c"]))),
+                wire.Truncate(id=5, seq=seq, n=draw(st.integers(0, BS + 2))),
+                wire.Free(id=6, seq=seq),
+                wire.Pin(id=7, seq=seq),
+                wire.Unpin(id=8, pin=draw(st.integers(1, 4))),
+                wire.CanAllocate(id=9, tokens=draw(st.integers(0, 300))),
             ]
         )
     )

@@ -14,12 +14,12 @@ from typing import Any
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from .strategies import messages, values
 
 EXAMPLES = int(os.environ.get("KVD_FUZZ_EXAMPLES", "600"))
-CODES = frozenset(P.Code)
+CODES = frozenset(wire.Code)
 fuzz_settings = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -29,7 +29,7 @@ fuzz_settings = settings(
 )
 
 
-def _as_map(req: P.Request) -> tuple[int, dict[str, Any], list[bytes]]:
+def _as_map(req: wire.Request) -> tuple[int, dict[str, Any], list[bytes]]:
     extras: list[bytes] = []
     return req.KIND, req.to_map(extras), extras
 
@@ -38,13 +38,13 @@ def _as_map(req: P.Request) -> tuple[int, dict[str, Any], list[bytes]]:
 @given(frames=messages)
 def test_decode_request_answers_a_request_or_a_protocol_error(frames: list[bytes]) -> None:
     try:
-        req = P.decode_request(frames)
-    except P.ProtocolError as exc:
+        req = wire.decode_request(frames)
+    except wire.ProtocolError as exc:
         assert exc.code in CODES
         assert exc.req_id is None or 0 <= exc.req_id < 2**64
         return
-    assert type(req) is P.REQUESTS[frames[0][0]]
-    assert _as_map(P.decode_request(req.encode())) == _as_map(req)
+    assert type(req) is wire.REQUESTS[frames[0][0]]
+    assert _as_map(wire.decode_request(req.encode())) == _as_map(req)
 
 
 @fuzz_settings
@@ -53,8 +53,8 @@ def test_decode_batch_op_answers_a_batchable_request_or_a_protocol_error(
     op: Any, extras: list[bytes]
 ) -> None:
     try:
-        req = P.decode_batch_op(op, extras)
-    except P.ProtocolError as exc:
+        req = wire.decode_batch_op(op, extras)
+    except wire.ProtocolError as exc:
         assert exc.code in CODES
         return
     assert req.BATCHABLE
@@ -66,15 +66,15 @@ def test_decode_batch_op_answers_a_batchable_request_or_a_protocol_error(
         st.lists(st.binary(max_size=40), max_size=4),
         st.builds(
             lambda kind, body: [bytes((kind,)), msgpack.packb(body, use_bin_type=True)],
-            st.sampled_from([P.Kind.OK, P.Kind.ERROR, P.Kind.NOTICE, 0x00, 0xFF]),
+            st.sampled_from([wire.Kind.OK, wire.Kind.ERROR, wire.Kind.NOTICE, 0x00, 0xFF]),
             values,
         ),
     )
 )
 def test_decode_reply_answers_a_reply_or_a_protocol_error(frames: list[bytes]) -> None:
     try:
-        reply = P.decode_reply(frames)
-    except P.ProtocolError as exc:
+        reply = wire.decode_reply(frames)
+    except wire.ProtocolError as exc:
         assert exc.code in CODES
         return
-    assert isinstance(reply, P.OkReply | P.ErrorReply | P.Notice)
+    assert isinstance(reply, wire.OkReply | wire.ErrorReply | wire.Notice)

@@ -38,8 +38,8 @@ def _serve(conn: mpc.Connection) -> None:
     import msgpack
     import torch
     from kvd_client.cuda import CudaPool
-    from kvd_client.layout import PoolLayout
     from kvd_client.pool import open_pool
+    from kvd_client.wire import PoolLayout
 
     pools: dict[str, CudaPool] = {}
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 from gpu_workers import RemoteError, Worker, device_bytes, start_workers
-from kvd_client.layout import POOL_ALIGN, PoolLayout
+from kvd_client.wire import POOL_ALIGN, PoolLayout
 
 from kvd.errors import PoolTooLargeError
 from kvd.memory import cuda

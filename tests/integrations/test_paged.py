@@ -12,7 +12,7 @@ from kvd_client.integrations.paged import (
     slot_indices,
     write_kv,
 )
-from kvd_client.layout import Order, PoolLayout
+from kvd_client.wire import Order, PoolLayout
 
 HEADS, DIM = 2, 8
 

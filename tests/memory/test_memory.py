@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 from kvd.errors import StartupError
 from kvd.memory import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvd_client.layout import PoolLayout
+from kvd_client.wire import PoolLayout
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory import shm

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.memory.shm import segment_path
 
@@ -80,28 +80,32 @@ def test_drain_waits_for_running_sequences_then_exits(kvd_daemon) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(kvd_daemon.address)
 
-    def call(req: P.Request) -> object:
+    def call(req: wire.Request) -> object:
         sock.send_multipart(req.encode())
         assert sock.poll(10_000)
-        return P.decode_reply(sock.recv_multipart())
+        return wire.decode_reply(sock.recv_multipart())
 
     try:
-        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
-        assert isinstance(call(hello), P.OkReply)
+        hello = wire.Hello(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
+        )
+        assert isinstance(call(hello), wire.OkReply)
         tokens = np.arange(20, dtype=np.int32)
-        assert isinstance(call(P.Allocate(id=2, seq="s", tokens=tokens, reserve=64)), P.OkReply)
+        assert isinstance(
+            call(wire.Allocate(id=2, seq="s", tokens=tokens, reserve=64)), wire.OkReply
+        )
         kvd_daemon.signal(signal.SIGTERM)
         # New work is refused, the running sequence may grow and finish.
-        refused = call(P.Allocate(id=3, seq="t", tokens=tokens))
-        while isinstance(refused, P.OkReply):  # the signal may not have landed yet
-            assert isinstance(call(P.Free(id=4, seq="t")), P.OkReply)
-            refused = call(P.Allocate(id=3, seq="t", tokens=tokens))
-        assert isinstance(refused, P.ErrorReply)
-        assert refused.code == P.Code.SHUTTING_DOWN
-        appended = call(P.Append(id=5, seq="s", tokens=tokens[:4]))
-        assert isinstance(appended, P.OkReply)
+        refused = call(wire.Allocate(id=3, seq="t", tokens=tokens))
+        while isinstance(refused, wire.OkReply):  # the signal may not have landed yet
+            assert isinstance(call(wire.Free(id=4, seq="t")), wire.OkReply)
+            refused = call(wire.Allocate(id=3, seq="t", tokens=tokens))
+        assert isinstance(refused, wire.ErrorReply)
+        assert refused.code == wire.Code.SHUTTING_DOWN
+        appended = call(wire.Append(id=5, seq="s", tokens=tokens[:4]))
+        assert isinstance(appended, wire.OkReply)
         assert kvd_daemon.proc.poll() is None  # still draining: a sequence is held
-        assert isinstance(call(P.Free(id=6, seq="s")), P.OkReply)
+        assert isinstance(call(wire.Free(id=6, seq="s")), wire.OkReply)
         assert kvd_daemon.proc.wait(30) == 0
         assert '"drained"' in kvd_daemon.log()
     finally:
@@ -114,11 +118,13 @@ def test_second_signal_exits_at_once(kvd_daemon) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(kvd_daemon.address)
     try:
-        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        hello = wire.Hello(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
+        )
         sock.send_multipart(hello.encode())
         sock.recv_multipart()
         tokens = np.arange(20, dtype=np.int32)
-        sock.send_multipart(P.Allocate(id=2, seq="s", tokens=tokens).encode())
+        sock.send_multipart(wire.Allocate(id=2, seq="s", tokens=tokens).encode())
         sock.recv_multipart()
         kvd_daemon.signal(signal.SIGTERM)
         # wait until the daemon reports draining, then signal again
@@ -151,21 +157,23 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(daemon.address)
 
-    def call(req: P.Request) -> object:
+    def call(req: wire.Request) -> object:
         dealer.send_multipart(req.encode())
         assert dealer.poll(10_000)
-        return P.decode_reply(dealer.recv_multipart())
+        return wire.decode_reply(dealer.recv_multipart())
 
     try:
-        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
-        assert isinstance(call(hello), P.OkReply)
+        hello = wire.Hello(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
+        )
+        assert isinstance(call(hello), wire.OkReply)
         stored = []
         tokens = np.arange(32, dtype=np.int32)
         # PUB drops what is sent before the subscription is in place: commit
         # fresh sequences until one BlockStored batch arrives.
         for i in range(200):
-            call(P.Allocate(id=10 + i, seq=f"s{i}", tokens=tokens + 1000 * i))
-            call(P.Commit(id=10 + i, seq=f"s{i}"))
+            call(wire.Allocate(id=10 + i, seq=f"s{i}", tokens=tokens + 1000 * i))
+            call(wire.Commit(id=10 + i, seq=f"s{i}"))
             while sub.poll(20):
                 topic, seq, payload = sub.recv_multipart()
                 assert topic == b"kv@test@default"
@@ -178,7 +186,7 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
         assert stored[0]["block_size"] == 16
         assert len(stored[0]["token_ids"]) == 16 * len(stored[0]["block_hashes"])
         assert daemon.stats()["events"]["batches"] >= 1
-        assert isinstance(call(P.Goodbye(id=2)), P.OkReply)
+        assert isinstance(call(wire.Goodbye(id=2)), wire.OkReply)
     finally:
         sub.close(0)
         dealer.close(0)
@@ -190,17 +198,19 @@ def test_pressure_notice_reaches_the_client(start_kvd) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.address)
     try:
-        hello = P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid())
+        hello = wire.Hello(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
+        )
         sock.send_multipart(hello.encode())
-        assert isinstance(P.decode_reply(sock.recv_multipart()), P.OkReply)
+        assert isinstance(wire.decode_reply(sock.recv_multipart()), wire.OkReply)
         tokens = np.arange(40 * 16, dtype=np.int32)  # 40 of the tiny pool's 64 blocks
-        sock.send_multipart(P.Allocate(id=2, seq="s", tokens=tokens).encode())
-        assert isinstance(P.decode_reply(sock.recv_multipart()), P.OkReply)
+        sock.send_multipart(wire.Allocate(id=2, seq="s", tokens=tokens).encode())
+        assert isinstance(wire.decode_reply(sock.recv_multipart()), wire.OkReply)
         assert sock.poll(10_000)
-        notice = P.decode_reply(sock.recv_multipart())
-        assert isinstance(notice, P.Notice)
+        notice = wire.decode_reply(sock.recv_multipart())
+        assert isinstance(notice, wire.Notice)
         assert (notice.event, notice.data["level"]) == ("pressure", 1)
-        sock.send_multipart(P.Goodbye(id=3).encode())
+        sock.send_multipart(wire.Goodbye(id=3).encode())
         sock.recv_multipart()
     finally:
         sock.close(0)

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import structlog.testing
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
@@ -79,26 +79,26 @@ class Harness:
             pool.memory.close()
 
     def send(self, frames: list[bytes], who: bytes = b"A", peer: PeerCred | None = None) -> Any:
-        return P.decode_reply(self.d.handle(who, frames, peer))
+        return wire.decode_reply(self.d.handle(who, frames, peer))
 
-    def call(self, req: P.Request, who: bytes = b"A") -> Any:
+    def call(self, req: wire.Request, who: bytes = b"A") -> Any:
         return self.send(req.encode(), who)
 
     def nid(self) -> int:
         return next(self._ids)
 
     def hello(self, who: bytes = b"A", **kw: Any) -> Any:
-        fields = {"version": P.PROTOCOL_VERSION, "pool": "default", "name": "t", "pid": 1} | kw
-        return self.call(P.Hello(id=self.nid(), **fields), who)
+        fields = {"version": wire.PROTOCOL_VERSION, "pool": "default", "name": "t", "pid": 1} | kw
+        return self.call(wire.Hello(id=self.nid(), **fields), who)
 
-    def ok(self, req: P.Request, who: bytes = b"A") -> dict[str, Any]:
+    def ok(self, req: wire.Request, who: bytes = b"A") -> dict[str, Any]:
         reply = self.call(req, who)
-        assert isinstance(reply, P.OkReply), reply
+        assert isinstance(reply, wire.OkReply), reply
         return reply.result
 
-    def err(self, req: P.Request | list[bytes], who: bytes = b"A") -> P.ErrorReply:
+    def err(self, req: wire.Request | list[bytes], who: bytes = b"A") -> wire.ErrorReply:
         reply = self.send(req if isinstance(req, list) else req.encode(), who)
-        assert isinstance(reply, P.ErrorReply), reply
+        assert isinstance(reply, wire.ErrorReply), reply
         return reply
 
     def state(self) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def toks(n: int, start: int = 0) -> np.ndarray[Any, Any]:
 
 
 def table(result: dict[str, Any], key: str = "table") -> list[int]:
-    return list(P.blocks_from_bytes(result[key]))
+    return list(wire.blocks_from_bytes(result[key]))
 
 
 # --------------------------------------------------------------------------
@@ -126,18 +126,18 @@ def table(result: dict[str, Any], key: str = "table") -> list[int]:
 
 
 def test_ping_needs_no_session(h: Harness) -> None:
-    assert h.ok(P.Ping(id=7)) == {"epoch": 12345, "version": P.PROTOCOL_VERSION}
+    assert h.ok(wire.Ping(id=7)) == {"epoch": 12345, "version": wire.PROTOCOL_VERSION}
 
 
 def test_request_without_hello_is_session_lost(h: Harness) -> None:
-    e = h.err(P.Allocate(id=5, seq="s", tokens=toks(4)))
-    assert (e.id, e.code) == (5, P.Code.SESSION_LOST)
+    e = h.err(wire.Allocate(id=5, seq="s", tokens=toks(4)))
+    assert (e.id, e.code) == (5, wire.Code.SESSION_LOST)
 
 
 def test_hello_returns_layout_memory_and_lease(h: Harness) -> None:
     reply = h.hello()
-    assert isinstance(reply, P.OkReply)
-    r = P.HelloResult.from_map(reply.result, [])
+    assert isinstance(reply, wire.OkReply)
+    r = wire.HelloResult.from_map(reply.result, [])
     pool = h.pools["default"]
     assert r.epoch == 12345
     assert r.layout == pool.layout.to_dict()
@@ -145,28 +145,28 @@ def test_hello_returns_layout_memory_and_lease(h: Harness) -> None:
     assert os.path.exists(r.memory["path"])
     assert r.lease_ms == 5000
     assert r.hash_seed == "vllm-none-hash"
-    assert r.max_message_bytes == P.MAX_MESSAGE_BYTES
+    assert r.max_message_bytes == wire.MAX_MESSAGE_BYTES
 
 
 def test_hello_with_matching_layout_and_seed_is_accepted(h: Harness) -> None:
     layout = h.pools["default"].layout.to_dict()
-    assert isinstance(h.hello(layout=layout, hash_seed="vllm-none-hash"), P.OkReply)
+    assert isinstance(h.hello(layout=layout, hash_seed="vllm-none-hash"), wire.OkReply)
 
 
 @pytest.mark.parametrize(
     ("fields", "code"),
     [
-        ({"version": P.PROTOCOL_VERSION + 1}, P.Code.VERSION),
-        ({"pool": "absent"}, P.Code.NOT_FOUND),
-        ({"hash_seed": "other"}, P.Code.MISMATCH),
-        ({"layout": {"num_layers": 2}}, P.Code.INVALID),
+        ({"version": wire.PROTOCOL_VERSION + 1}, wire.Code.VERSION),
+        ({"pool": "absent"}, wire.Code.NOT_FOUND),
+        ({"hash_seed": "other"}, wire.Code.MISMATCH),
+        ({"layout": {"num_layers": 2}}, wire.Code.INVALID),
     ],
 )
 def test_bad_hello_is_refused_and_opens_nothing(
-    h: Harness, fields: dict[str, Any], code: P.Code
+    h: Harness, fields: dict[str, Any], code: wire.Code
 ) -> None:
     reply = h.hello(**fields)
-    assert isinstance(reply, P.ErrorReply)
+    assert isinstance(reply, wire.ErrorReply)
     assert reply.code == code
     assert len(h.d.sessions) == 0
 
@@ -174,53 +174,53 @@ def test_bad_hello_is_refused_and_opens_nothing(
 def test_hello_with_other_layout_names_the_difference(h: Harness) -> None:
     layout = h.pools["default"].layout.to_dict() | {"block_size": 32}
     reply = h.hello(layout=layout)
-    assert isinstance(reply, P.ErrorReply)
-    assert reply.code == P.Code.MISMATCH
+    assert isinstance(reply, wire.ErrorReply)
+    assert reply.code == wire.Code.MISMATCH
     assert "block_size" in reply.msg
 
 
 def test_max_sessions_gives_busy() -> None:
     harness = Harness(_config(**{"server.max_sessions": "1"}))
     try:
-        assert isinstance(harness.hello(b"A"), P.OkReply)
+        assert isinstance(harness.hello(b"A"), wire.OkReply)
         reply = harness.hello(b"B")
-        assert isinstance(reply, P.ErrorReply)
-        assert reply.code == P.Code.BUSY
+        assert isinstance(reply, wire.ErrorReply)
+        assert reply.code == wire.Code.BUSY
         # the existing connection may still say hello again
-        assert isinstance(harness.hello(b"A"), P.OkReply)
+        assert isinstance(harness.hello(b"A"), wire.OkReply)
     finally:
         harness.close()
 
 
 def test_second_hello_replaces_the_session_and_frees_its_sequences(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
     h.hello()
     assert h.state()["blocks"]["default"]["in_use"] == 0
     assert len(h.d.sessions) == 1
-    assert h.err(P.Free(id=2, seq="s")).code == P.Code.NOT_FOUND
+    assert h.err(wire.Free(id=2, seq="s")).code == wire.Code.NOT_FOUND
 
 
 def test_goodbye_closes_the_session(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
-    assert h.ok(P.Goodbye(id=2)) == {}
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(wire.Goodbye(id=2)) == {}
     assert h.state()["blocks"]["default"]["in_use"] == 0
-    assert h.err(P.Heartbeat(id=3)).code == P.Code.SESSION_LOST
+    assert h.err(wire.Heartbeat(id=3)).code == wire.Code.SESSION_LOST
 
 
 def test_heartbeat_renews_the_lease(h: Harness) -> None:
     h.hello()
     h.clock.now += 4.0
-    h.ok(P.Heartbeat(id=1))
+    h.ok(wire.Heartbeat(id=1))
     h.clock.now += 4.0
     assert h.d.sessions.expired() == []
 
 
 def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harness) -> None:
     h.hello(b"A")
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
-    h.ok(P.Commit(id=2, seq="s"), b"A")
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
+    h.ok(wire.Commit(id=2, seq="s"), b"A")
     session = h.d.sessions.peek(b"A")
     assert session is not None
     h.d.close_session(session, "test")
@@ -232,11 +232,11 @@ def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harn
 def test_hello_records_peer_credentials(h: Harness) -> None:
     peer = PeerCred(0, 0, os.getpid())
     reply = h.send(
-        P.Hello(id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=99).encode(),
+        wire.Hello(id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=99).encode(),
         b"A",
         peer,
     )
-    assert isinstance(reply, P.OkReply)
+    assert isinstance(reply, wire.OkReply)
     session = h.d.sessions.peek(b"A")
     assert session is not None
     assert (session.pid, session.watched_pid) == (99, os.getpid())
@@ -249,59 +249,59 @@ def test_hello_records_peer_credentials(h: Harness) -> None:
 def test_prefix_is_shared_between_sessions(h: Harness) -> None:
     h.hello(b"A")
     h.hello(b"B")
-    a = h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
+    a = h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
     assert (a["cached"], len(table(a))) == (0, 3)
-    assert h.ok(P.Commit(id=2, seq="s"), b"A") == {"committed": 40, "cached_blocks": 2}
-    b = h.ok(P.Allocate(id=3, seq="s", tokens=toks(50)), b"B")
+    assert h.ok(wire.Commit(id=2, seq="s"), b"A") == {"committed": 40, "cached_blocks": 2}
+    b = h.ok(wire.Allocate(id=3, seq="s", tokens=toks(50)), b"B")
     assert b["cached"] == 32
     assert table(b)[:2] == table(a)[:2]
 
 
 def test_hit_is_capped_below_the_last_token(h: Harness) -> None:
     h.hello(b"A")
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(32)))
-    h.ok(P.Commit(id=2, seq="s"))
-    b = h.ok(P.Allocate(id=3, seq="t", tokens=toks(32)))
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(32)))
+    h.ok(wire.Commit(id=2, seq="s"))
+    b = h.ok(wire.Allocate(id=3, seq="t", tokens=toks(32)))
     assert b["cached"] == 16
 
 
 def test_append_fork_truncate_pin_unpin_free(h: Harness) -> None:
     h.hello()
-    a = h.ok(P.Allocate(id=1, seq="s", tokens=toks(20), reserve=64))
+    a = h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20), reserve=64))
     assert a["reserved"] > 0
-    ap = h.ok(P.Append(id=2, seq="s", tokens=toks(20, 20)))
+    ap = h.ok(wire.Append(id=2, seq="s", tokens=toks(20, 20)))
     assert (ap["start"], ap["length"]) == (2, 40)
     assert len(table(ap, "blocks")) == 1
-    f = h.ok(P.Fork(id=3, seq="s", child="c"))
+    f = h.ok(wire.Fork(id=3, seq="s", child="c"))
     assert len(table(f)) == 3
     # the child's last block is shared: appending copies it first
-    cow = h.ok(P.Append(id=4, seq="c", tokens=toks(1, 40)))
+    cow = h.ok(wire.Append(id=4, seq="c", tokens=toks(1, 40)))
     copies = table(cow, "copies")
     assert len(copies) == 2
     assert copies[0] == table(f)[2]
-    assert h.ok(P.Truncate(id=5, seq="s", n=17)) == {"length": 17, "num_blocks": 2}
-    h.ok(P.Commit(id=6, seq="s"))
-    pin = h.ok(P.Pin(id=7, seq="s"))
+    assert h.ok(wire.Truncate(id=5, seq="s", n=17)) == {"length": 17, "num_blocks": 2}
+    h.ok(wire.Commit(id=6, seq="s"))
+    pin = h.ok(wire.Pin(id=7, seq="s"))
     assert pin["blocks"] == 1
     assert h.state()["blocks"]["default"]["pinned"] == 1
-    assert h.ok(P.Unpin(id=8, pin=pin["pin"])) == {}
-    assert h.ok(P.Free(id=9, seq="s")) == {}
-    assert h.ok(P.Free(id=10, seq="c")) == {}
+    assert h.ok(wire.Unpin(id=8, pin=pin["pin"])) == {}
+    assert h.ok(wire.Free(id=9, seq="s")) == {}
+    assert h.ok(wire.Free(id=10, seq="c")) == {}
     assert h.state()["blocks"]["default"]["in_use"] == 0
 
 
 def test_can_allocate(h: Harness) -> None:
     h.hello()
-    assert h.ok(P.CanAllocate(id=1, tokens=16 * BS)) == {"ok": True, "available": 16}
-    assert h.ok(P.CanAllocate(id=2, tokens=17 * BS))["ok"] is False
+    assert h.ok(wire.CanAllocate(id=1, tokens=16 * BS)) == {"ok": True, "available": 16}
+    assert h.ok(wire.CanAllocate(id=2, tokens=17 * BS))["ok"] is False
 
 
 def test_out_of_blocks_changes_nothing(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(10 * BS)))
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(10 * BS)))
     before = h.state()
-    e = h.err(P.Allocate(id=2, seq="t", tokens=toks(7 * BS)))
-    assert (e.id, e.code) == (2, P.Code.OUT_OF_BLOCKS)
+    e = h.err(wire.Allocate(id=2, seq="t", tokens=toks(7 * BS)))
+    assert (e.id, e.code) == (2, wire.Code.OUT_OF_BLOCKS)
     assert h.state() == before
     assert h.d.stats()["admission"]["refusals"]["OUT_OF_BLOCKS"] == 1
 
@@ -310,8 +310,8 @@ def test_quota_exceeded_per_session() -> None:
     harness = Harness(_config(**{"admission.session_quota_blocks": "2"}))
     try:
         harness.hello()
-        e = harness.err(P.Allocate(id=1, seq="s", tokens=toks(3 * BS)))
-        assert e.code == P.Code.QUOTA_EXCEEDED
+        e = harness.err(wire.Allocate(id=1, seq="s", tokens=toks(3 * BS)))
+        assert e.code == wire.Code.QUOTA_EXCEEDED
     finally:
         harness.close()
 
@@ -319,19 +319,19 @@ def test_quota_exceeded_per_session() -> None:
 @pytest.mark.parametrize(
     ("req", "code"),
     [
-        (P.Free(id=1, seq="nope"), P.Code.NOT_FOUND),
-        (P.Commit(id=1, seq="nope"), P.Code.NOT_FOUND),
-        (P.Unpin(id=1, pin=999), P.Code.NOT_FOUND),
-        (P.Truncate(id=1, seq="s", n=-1), P.Code.INVALID),
-        (P.Allocate(id=1, seq="s", tokens=toks(4)), P.Code.EXISTS),
-        (P.Allocate(id=1, seq="t", tokens=toks(4), reserve=-1), P.Code.INVALID),
+        (wire.Free(id=1, seq="nope"), wire.Code.NOT_FOUND),
+        (wire.Commit(id=1, seq="nope"), wire.Code.NOT_FOUND),
+        (wire.Unpin(id=1, pin=999), wire.Code.NOT_FOUND),
+        (wire.Truncate(id=1, seq="s", n=-1), wire.Code.INVALID),
+        (wire.Allocate(id=1, seq="s", tokens=toks(4)), wire.Code.EXISTS),
+        (wire.Allocate(id=1, seq="t", tokens=toks(4), reserve=-1), wire.Code.INVALID),
     ],
 )
 def test_engine_errors_carry_their_code_and_change_nothing(
-    h: Harness, req: P.Request, code: P.Code
+    h: Harness, req: wire.Request, code: wire.Code
 ) -> None:
     h.hello()
-    h.ok(P.Allocate(id=0, seq="s", tokens=toks(20)))
+    h.ok(wire.Allocate(id=0, seq="s", tokens=toks(20)))
     before = h.state()
     e = h.err(req)
     assert (e.id, e.code) == (1, code)
@@ -342,10 +342,10 @@ def test_engine_errors_carry_their_code_and_change_nothing(
 def test_another_sessions_sequence_is_not_found(h: Harness) -> None:
     h.hello(b"A")
     h.hello(b"B")
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(20)), b"A")
-    assert h.err(P.Free(id=2, seq="s"), b"B").code == P.Code.NOT_FOUND
-    assert h.err(P.Fork(id=3, seq="s", child="c"), b"B").code == P.Code.NOT_FOUND
-    assert h.ok(P.Free(id=4, seq="s"), b"A") == {}
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20)), b"A")
+    assert h.err(wire.Free(id=2, seq="s"), b"B").code == wire.Code.NOT_FOUND
+    assert h.err(wire.Fork(id=3, seq="s", child="c"), b"B").code == wire.Code.NOT_FOUND
+    assert h.ok(wire.Free(id=4, seq="s"), b"A") == {}
 
 
 def test_unexpected_exception_is_internal_and_logged(
@@ -360,12 +360,12 @@ def test_unexpected_exception_is_internal_and_logged(
     # Fault injection: the engine has no bug to trigger on purpose.
     monkeypatch.setattr(h.pools["default"].engine, "allocate", broken)
     with structlog.testing.capture_logs() as logs:
-        e = h.err(P.Allocate(id=3, seq="s", tokens=toks(4)))
-    assert (e.id, e.code) == (3, P.Code.INTERNAL)
+        e = h.err(wire.Allocate(id=3, seq="s", tokens=toks(4)))
+    assert (e.id, e.code) == (3, wire.Code.INTERNAL)
     assert [entry["event"] for entry in logs] == ["internal_error"]
     assert logs[0]["exc_info"] is True
     assert h.state() == before
-    assert h.ok(P.Ping(id=4))["epoch"] == 12345
+    assert h.ok(wire.Ping(id=4))["epoch"] == 12345
 
 
 # --------------------------------------------------------------------------
@@ -374,24 +374,24 @@ def test_unexpected_exception_is_internal_and_logged(
 
 def test_batch_runs_in_order_with_one_result_each(h: Harness) -> None:
     h.hello()
-    frames = P.encode_batch(
+    frames = wire.encode_batch(
         9,
         [
-            P.Allocate(id=0, seq="s", tokens=toks(20)),
-            P.Free(id=0, seq="nope"),
-            P.Append(id=0, seq="s", tokens=toks(4, 20)),
-            P.Allocate(id=0, seq="big", tokens=toks(100 * BS)),
-            P.Commit(id=0, seq="s"),
+            wire.Allocate(id=0, seq="s", tokens=toks(20)),
+            wire.Free(id=0, seq="nope"),
+            wire.Append(id=0, seq="s", tokens=toks(4, 20)),
+            wire.Allocate(id=0, seq="big", tokens=toks(100 * BS)),
+            wire.Commit(id=0, seq="s"),
         ],
     )
     reply = h.send(frames)
-    assert isinstance(reply, P.OkReply)
+    assert isinstance(reply, wire.OkReply)
     assert reply.id == 9
     results = reply.result["results"]
     assert [r["ok"] for r in results] == [True, False, True, False, True]
-    assert results[1]["code"] == P.Code.NOT_FOUND
+    assert results[1]["code"] == wire.Code.NOT_FOUND
     assert results[2]["r"]["length"] == 24
-    assert results[3]["code"] == P.Code.OUT_OF_BLOCKS
+    assert results[3]["code"] == wire.Code.OUT_OF_BLOCKS
     assert results[4]["r"] == {"committed": 24, "cached_blocks": 1}
     rpc = h.d.stats()["rpc"]
     assert rpc["errors"] == {"NOT_FOUND": 1, "OUT_OF_BLOCKS": 1}
@@ -401,17 +401,22 @@ def test_batch_runs_in_order_with_one_result_each(h: Harness) -> None:
 def test_batch_refuses_non_batchable_and_unknown_ops(h: Harness) -> None:
     h.hello()
     body = msgpack.packb(
-        {"id": 4, "ops": [[int(P.Kind.HELLO), {}], [0x7E, {}], "junk", [int(P.Kind.FREE), 5]]}
+        {"id": 4, "ops": [[int(wire.Kind.HELLO), {}], [0x7E, {}], "junk", [int(wire.Kind.FREE), 5]]}
     )
-    reply = h.send([bytes((P.Kind.BATCH,)), body])
-    assert isinstance(reply, P.OkReply)
+    reply = h.send([bytes((wire.Kind.BATCH,)), body])
+    assert isinstance(reply, wire.OkReply)
     codes = [r["code"] for r in reply.result["results"]]
-    assert codes == [P.Code.INVALID, P.Code.UNKNOWN_KIND, P.Code.INVALID, P.Code.INVALID]
+    assert codes == [
+        wire.Code.INVALID,
+        wire.Code.UNKNOWN_KIND,
+        wire.Code.INVALID,
+        wire.Code.INVALID,
+    ]
 
 
 def test_batch_needs_a_session(h: Harness) -> None:
-    e = h.err(P.encode_batch(3, [P.Free(id=0, seq="s")]))
-    assert (e.id, e.code) == (3, P.Code.SESSION_LOST)
+    e = h.err(wire.encode_batch(3, [wire.Free(id=0, seq="s")]))
+    assert (e.id, e.code) == (3, wire.Code.SESSION_LOST)
 
 
 # --------------------------------------------------------------------------
@@ -421,29 +426,33 @@ def test_batch_needs_a_session(h: Harness) -> None:
 @pytest.mark.parametrize(
     ("frames", "code", "req_id"),
     [
-        ([b"\x25"], P.Code.INVALID, None),
-        ([b"\x25\x25", b"\x80"], P.Code.INVALID, None),
-        ([b"\x7e", msgpack.packb({"id": 4})], P.Code.UNKNOWN_KIND, 4),
-        ([b"\x10", b"\xc1"], P.Code.INVALID, None),
-        ([b"\x10", msgpack.packb([1, 2])], P.Code.INVALID, None),
-        ([b"\x10", msgpack.packb({"id": 6, "seq": 5, "tokens": 0}), b"\0" * 4], P.Code.INVALID, 6),
-        ([b"\x10", msgpack.packb({"id": 6, "seq": "s", "tokens": 3})], P.Code.INVALID, 6),
+        ([b"\x25"], wire.Code.INVALID, None),
+        ([b"\x25\x25", b"\x80"], wire.Code.INVALID, None),
+        ([b"\x7e", msgpack.packb({"id": 4})], wire.Code.UNKNOWN_KIND, 4),
+        ([b"\x10", b"\xc1"], wire.Code.INVALID, None),
+        ([b"\x10", msgpack.packb([1, 2])], wire.Code.INVALID, None),
+        (
+            [b"\x10", msgpack.packb({"id": 6, "seq": 5, "tokens": 0}), b"\0" * 4],
+            wire.Code.INVALID,
+            6,
+        ),
+        ([b"\x10", msgpack.packb({"id": 6, "seq": "s", "tokens": 3})], wire.Code.INVALID, 6),
         (
             [b"\x10", msgpack.packb({"id": 6, "seq": "s", "tokens": 0}), b"\0" * 5],
-            P.Code.INVALID,
+            wire.Code.INVALID,
             6,
         ),
         (
             [b"\x10", msgpack.packb({"id": 6, "seq": "x" * 300, "tokens": 0}), b""],
-            P.Code.TOO_LARGE,
+            wire.Code.TOO_LARGE,
             6,
         ),
-        ([b"\x25", msgpack.packb({"id": 2, "extra": 1})], P.Code.INVALID, 2),
-        ([b"\x25", b"\x80"] * 3000, P.Code.TOO_LARGE, None),
+        ([b"\x25", msgpack.packb({"id": 2, "extra": 1})], wire.Code.INVALID, 2),
+        ([b"\x25", b"\x80"] * 3000, wire.Code.TOO_LARGE, None),
     ],
 )
 def test_malformed_frames_get_an_error_with_a_code(
-    h: Harness, frames: list[bytes], code: P.Code, req_id: int | None
+    h: Harness, frames: list[bytes], code: wire.Code, req_id: int | None
 ) -> None:
     before = h.state()
     e = h.err(frames)
@@ -452,9 +461,9 @@ def test_malformed_frames_get_an_error_with_a_code(
 
 
 def test_message_above_the_limit_is_too_large(h: Harness) -> None:
-    big = b"\0" * (P.MAX_MESSAGE_BYTES // 2 + 8)
+    big = b"\0" * (wire.MAX_MESSAGE_BYTES // 2 + 8)
     e = h.err([b"\x25", msgpack.packb({"id": 1}), big, big])
-    assert e.code == P.Code.TOO_LARGE
+    assert e.code == wire.Code.TOO_LARGE
 
 
 # --------------------------------------------------------------------------
@@ -463,17 +472,17 @@ def test_message_above_the_limit_is_too_large(h: Harness) -> None:
 
 def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(20), reserve=40))
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20), reserve=40))
     h.d.draining = True
-    assert h.err(P.Allocate(id=2, seq="t", tokens=toks(4))).code == P.Code.SHUTTING_DOWN
-    assert h.err(P.Fork(id=3, seq="s", child="c")).code == P.Code.SHUTTING_DOWN
-    assert h.hello(b"B").code == P.Code.SHUTTING_DOWN
-    assert h.ok(P.Append(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
-    assert h.ok(P.Commit(id=5, seq="s"))["committed"] == 24
+    assert h.err(wire.Allocate(id=2, seq="t", tokens=toks(4))).code == wire.Code.SHUTTING_DOWN
+    assert h.err(wire.Fork(id=3, seq="s", child="c")).code == wire.Code.SHUTTING_DOWN
+    assert h.hello(b"B").code == wire.Code.SHUTTING_DOWN
+    assert h.ok(wire.Append(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
+    assert h.ok(wire.Commit(id=5, seq="s"))["committed"] == 24
     assert h.d.in_flight() == 1
-    assert h.ok(P.Free(id=6, seq="s")) == {}
+    assert h.ok(wire.Free(id=6, seq="s")) == {}
     assert h.d.in_flight() == 0
-    assert h.ok(P.Ping(id=7))["epoch"] == 12345
+    assert h.ok(wire.Ping(id=7))["epoch"] == 12345
 
 
 # --------------------------------------------------------------------------
@@ -482,39 +491,39 @@ def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness)
 
 def test_check_passes(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
-    assert h.ok(P.Check(id=2)) == {"ok": True, "problems": []}
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(wire.Check(id=2)) == {"ok": True, "problems": []}
 
 
 def test_flush_drops_cached_blocks(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
-    h.ok(P.Commit(id=2, seq="s"))
-    h.ok(P.Free(id=3, seq="s"))
-    assert h.ok(P.Flush(id=4)) == {"dropped": 2}
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+    h.ok(wire.Commit(id=2, seq="s"))
+    h.ok(wire.Free(id=3, seq="s"))
+    assert h.ok(wire.Flush(id=4)) == {"dropped": 2}
     assert h.state()["blocks"]["default"]["evictable"] == 0
 
 
 def test_stats_sections(h: Harness) -> None:
     h.hello()
-    info = h.ok(P.Stats(id=1))["info"]
+    info = h.ok(wire.Stats(id=1))["info"]
     assert set(info) == {"server", "pools", "blocks", "prefix", "clients", "admission", "rpc"}
     assert info["server"]["epoch"] == 12345
     assert info["server"]["pid"] == os.getpid()
     assert info["blocks"]["default"]["total"] == 16
     assert info["clients"]["sessions"] == 1
-    only = h.ok(P.Stats(id=2, sections=["blocks"]))["info"]
+    only = h.ok(wire.Stats(id=2, sections=["blocks"]))["info"]
     assert set(only) == {"blocks"}
-    assert h.err(P.Stats(id=3, sections=["nope"])).code == P.Code.INVALID
+    assert h.err(wire.Stats(id=3, sections=["nope"])).code == wire.Code.INVALID
 
 
 def test_clients_and_pools_listings(h: Harness) -> None:
     h.hello(b"A", name="worker-1")
-    h.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
-    (client,) = h.ok(P.Clients(id=2))["info"]["sessions"]
+    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+    (client,) = h.ok(wire.Clients(id=2))["info"]["sessions"]
     assert client["name"] == "worker-1"
     assert client["usage_blocks"] == 3
-    pools = h.ok(P.Pools(id=3))["info"]["pools"]
+    pools = h.ok(wire.Pools(id=3))["info"]["pools"]
     assert pools["default"]["blocks"]["in_use"] == 3
     assert pools["default"]["memory"]["backend"] == "shm"
     assert pools["default"]["sessions"] == 1
@@ -533,7 +542,7 @@ def test_two_pools_sessions_pick_by_name(tmp_path: Any) -> None:
         assert ra.result["layout"]["block_size"] == 16
         assert rb.result["layout"]["block_size"] == 32
         assert ra.result["memory"]["path"] != rb.result["memory"]["path"]
-        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(64)), b"B")
+        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(64)), b"B")
         blocks = harness.d.stats()["blocks"]
         assert (blocks["a"]["in_use"], blocks["b"]["in_use"]) == (0, 2)
     finally:
@@ -545,8 +554,8 @@ def test_events_reach_the_publisher() -> None:
     harness = Harness(_config(), events=events)
     try:
         harness.hello()
-        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(40)))
-        harness.ok(P.Commit(id=2, seq="s"))
+        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+        harness.ok(wire.Commit(id=2, seq="s"))
         assert [(pool, type(e).__name__) for pool, evs in events for e in evs] == [
             ("default", "BlockStored")
         ]
@@ -555,7 +564,7 @@ def test_events_reach_the_publisher() -> None:
 
 
 def test_service_time_is_observed_per_kind(h: Harness) -> None:
-    h.ok(P.Ping(id=1))
+    h.ok(wire.Ping(id=1))
     h.err([b"\x7e", b"\x80"])
     assert [kind for kind, _ in h.observed] == ["ping", "invalid"]
     assert all(s >= 0 for _, s in h.observed)
@@ -567,11 +576,11 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
         harness.hello(b"A")
         harness.hello(b"B")
         assert harness.d.pressure_notices() == []
-        harness.ok(P.Allocate(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
+        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
         notices = harness.d.pressure_notices()
         assert sorted(who for who, _ in notices) == [b"A", b"B"]
-        notice = P.decode_reply(notices[0][1])
-        assert isinstance(notice, P.Notice)
+        notice = wire.decode_reply(notices[0][1])
+        assert isinstance(notice, wire.Notice)
         assert notice.event == "pressure"
         assert notice.data == {
             "pool": "default",
@@ -580,10 +589,10 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
             "thresholds": [0.5, 0.75],
         }
         assert harness.d.pressure_notices() == []  # no crossing, no notice
-        harness.ok(P.Free(id=2, seq="s"), b"A")
+        harness.ok(wire.Free(id=2, seq="s"), b"A")
         (_, frames), _ = harness.d.pressure_notices()
-        down = P.decode_reply(frames)
-        assert isinstance(down, P.Notice)
+        down = wire.decode_reply(frames)
+        assert isinstance(down, wire.Notice)
         assert down.data["level"] == 0
     finally:
         harness.close()
@@ -600,16 +609,16 @@ def _expire(h: Harness, reason: str = "lease_expired") -> None:
 
 def test_a_lease_expiry_without_a_pid_quarantines_the_sessions_blocks(h: Harness) -> None:
     h.hello()
-    h.ok(P.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+    h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
     h.clock.now += h.d.sessions.lease_s * 2
     _expire(h)
-    assert h.err(P.Commit(id=h.nid(), seq="s")).code == P.Code.SESSION_LOST
+    assert h.err(wire.Commit(id=h.nid(), seq="s")).code == wire.Code.SESSION_LOST
     assert h.d.stats()["blocks"]["default"]["in_use"] == 3  # still out of circulation
     assert (h.d.in_flight(), h.d.release_quarantined()) == (0, 0)
     h.clock.now += h.d.sessions.lease_s * h.d.config.server.quarantine_leases
     assert h.d.release_quarantined() == 1
     assert h.d.stats()["blocks"]["default"]["in_use"] == 0
-    assert h.ok(P.Check(id=h.nid()))["ok"] is True
+    assert h.ok(wire.Check(id=h.nid()))["ok"] is True
 
 
 @pytest.mark.parametrize(
@@ -619,7 +628,7 @@ def test_other_closes_free_the_blocks_at_once(reason: str, leases: str) -> None:
     h = Harness(_config(**{"server.quarantine_leases": leases}))
     try:
         h.hello()
-        h.ok(P.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+        h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
         _expire(h, reason)
         assert h.d.quarantined == []
         assert h.d.stats()["blocks"]["default"]["in_use"] == 0
@@ -634,14 +643,14 @@ def test_a_forbidden_namespace_opens_nothing() -> None:
         )
     )
     try:
-        hello = P.Hello(
-            id=1, version=P.PROTOCOL_VERSION, pool="default", name="t", pid=1, namespace="ab"
+        hello = wire.Hello(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1, namespace="ab"
         ).encode()
         reply = h.send(hello, peer=PeerCred(uid=8, gid=8, pid=1))
-        assert isinstance(reply, P.ErrorReply) and reply.code == P.Code.FORBIDDEN
+        assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.FORBIDDEN
         assert len(h.d.sessions) == 0
         ok = h.send(hello, peer=PeerCred(uid=7, gid=8, pid=1))
-        assert isinstance(ok, P.OkReply)
+        assert isinstance(ok, wire.OkReply)
     finally:
         h.close()
 
@@ -650,21 +659,21 @@ def test_a_session_beyond_its_rate_is_rate_limited_and_its_bucket_refills() -> N
     h = Harness(_config(**{"security.rate_limit": "10", "security.rate_burst": "2"}))
     try:
         h.hello()  # the shared bucket
-        h.ok(P.Heartbeat(id=h.nid()))
-        h.ok(P.Heartbeat(id=h.nid()))
-        assert h.err(P.Heartbeat(id=h.nid())).code == P.Code.RATE_LIMITED
+        h.ok(wire.Heartbeat(id=h.nid()))
+        h.ok(wire.Heartbeat(id=h.nid()))
+        assert h.err(wire.Heartbeat(id=h.nid())).code == wire.Code.RATE_LIMITED
         h.clock.now += 0.1
-        h.ok(P.Heartbeat(id=h.nid()))
+        h.ok(wire.Heartbeat(id=h.nid()))
     finally:
         h.close()
 
 
 def test_a_queued_message_at_exit_gets_shutting_down_with_its_id(h: Harness) -> None:
-    reply = P.decode_reply(h.d.refuse_shutting_down(P.Ping(id=41).encode()))
-    assert isinstance(reply, P.ErrorReply)
-    assert (reply.id, reply.code) == (41, P.Code.SHUTTING_DOWN)
-    garbage = P.decode_reply(h.d.refuse_shutting_down([b"\xff"]))
-    assert garbage.code == P.Code.SHUTTING_DOWN
+    reply = wire.decode_reply(h.d.refuse_shutting_down(wire.Ping(id=41).encode()))
+    assert isinstance(reply, wire.ErrorReply)
+    assert (reply.id, reply.code) == (41, wire.Code.SHUTTING_DOWN)
+    garbage = wire.decode_reply(h.d.refuse_shutting_down([b"\xff"]))
+    assert garbage.code == wire.Code.SHUTTING_DOWN
 
 
 def test_a_reload_reports_security_changes_as_needing_a_restart(h: Harness) -> None:

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.auth
-from kvd_client import Client, DaemonUnavailable
-from kvd_client import protocol as P
+from kvd_client import Client, DaemonUnavailable, wire
 from kvd_client.errors import Forbidden, RateLimited, TooLarge
 
 from kvd.errors import ConfigError, StartupError
@@ -90,7 +89,7 @@ def test_an_enforced_policy_allows_only_the_listed_namespaces() -> None:
     policy = NamespacePolicy.from_config({"uid:1000": ["tenant-a"]}, enforce=True)
     assert policy.check_namespace(ALICE, "tenant-a") is None
     denial = policy.check_namespace(BOB, "tenant-a")
-    assert denial is not None and denial.code == P.Code.FORBIDDEN
+    assert denial is not None and denial.code == wire.Code.FORBIDDEN
     assert "uid:1001" in denial.message and "'tenant-a'" in denial.message
     assert policy.check_namespace(ALICE, "tenant-b") is not None
     assert policy.check_namespace(ALICE, "") is not None  # the default namespace too
@@ -138,12 +137,12 @@ def test_bad_rules_fail_at_load_naming_the_key(rules: dict[str, list[str]]) -> N
 
 def test_admin_kinds_need_an_admin_once_admins_are_set() -> None:
     open_policy = NamespacePolicy.from_config({}, enforce=True)
-    assert open_policy.check_admin(BOB, P.Kind.FLUSH) is None
+    assert open_policy.check_admin(BOB, wire.Kind.FLUSH) is None
     policy = NamespacePolicy.from_config({}, enforce=True, admins=["uid:1000"])
-    assert policy.check_admin(ALICE, P.Kind.FLUSH) is None
-    denial = policy.check_admin(BOB, P.Kind.FLUSH)
-    assert denial is not None and denial.code == P.Code.FORBIDDEN
-    assert policy.check_admin(BOB, P.Kind.PING) is None  # liveness stays open
+    assert policy.check_admin(ALICE, wire.Kind.FLUSH) is None
+    denial = policy.check_admin(BOB, wire.Kind.FLUSH)
+    assert denial is not None and denial.code == wire.Code.FORBIDDEN
+    assert policy.check_admin(BOB, wire.Kind.PING) is None  # liveness stays open
 
 
 # --------------------------------------------------------------------------
@@ -177,7 +176,7 @@ def test_a_refusal_is_rate_limited_with_the_wait() -> None:
     limiter = RateLimiter(rate=4, burst=1)
     assert limiter.check(None, 0.0) is None
     denial = limiter.check(None, 0.0)
-    assert denial is not None and denial.code == P.Code.RATE_LIMITED
+    assert denial is not None and denial.code == wire.Code.RATE_LIMITED
     assert "retry in 250 ms" in denial.message
 
 
@@ -194,22 +193,22 @@ def test_a_rate_limiter_needs_a_positive_rate_and_a_burst() -> None:
 
 def test_too_many_tokens_in_one_request_is_too_large() -> None:
     limits = RequestLimits(max_tokens=100)
-    assert limits.check_request(P.Allocate(id=1, seq="s", tokens=_tokens(100))) is None
-    denial = limits.check_request(P.Append(id=1, seq="s", tokens=_tokens(101)))
-    assert denial is not None and denial.code == P.Code.TOO_LARGE
+    assert limits.check_request(wire.Allocate(id=1, seq="s", tokens=_tokens(100))) is None
+    denial = limits.check_request(wire.Append(id=1, seq="s", tokens=_tokens(101)))
+    assert denial is not None and denial.code == wire.Code.TOO_LARGE
 
 
 def test_a_reservation_beyond_the_limit_is_too_large() -> None:
     limits = RequestLimits(max_tokens=100)
-    denial = limits.check_request(P.Allocate(id=1, seq="s", tokens=_tokens(1), reserve=10**9))
-    assert denial is not None and denial.code == P.Code.TOO_LARGE
-    assert limits.check_request(P.Fork(id=1, seq="s", child="c", reserve=101)) is not None
-    assert limits.check_request(P.Commit(id=1, seq="s", n=10**9)) is None  # no size in a commit
+    denial = limits.check_request(wire.Allocate(id=1, seq="s", tokens=_tokens(1), reserve=10**9))
+    assert denial is not None and denial.code == wire.Code.TOO_LARGE
+    assert limits.check_request(wire.Fork(id=1, seq="s", child="c", reserve=101)) is not None
+    assert limits.check_request(wire.Commit(id=1, seq="s", n=10**9)) is None  # no size in a commit
 
 
 def test_zero_limits_leave_the_protocol_limits_alone() -> None:
     limits = RequestLimits()
-    big = P.Allocate(id=1, seq="s", tokens=_tokens(5000), reserve=2**40)
+    big = wire.Allocate(id=1, seq="s", tokens=_tokens(5000), reserve=2**40)
     assert limits.check_request(big) is None
     assert limits.check_sequences(10**6) is None
 
@@ -218,7 +217,7 @@ def test_a_session_at_its_sequence_limit_cannot_add_one() -> None:
     limits = RequestLimits(max_sequences=2)
     assert limits.check_sequences(1) is None
     denial = limits.check_sequences(2)
-    assert denial is not None and denial.code == P.Code.TOO_LARGE
+    assert denial is not None and denial.code == wire.Code.TOO_LARGE
 
 
 # --------------------------------------------------------------------------
@@ -473,9 +472,9 @@ def test_a_hello_outside_the_namespace_rules_is_forbidden_over_ipc(start_kvd) ->
 
 def test_admin_requests_need_an_admin_once_admins_are_set(start_kvd) -> None:
     daemon = start_kvd(overrides={"security.admins": '["uid:4242"]'})
-    assert isinstance(daemon.call(P.Ping(id=1)), P.OkReply)
-    reply = daemon.call(P.Stats(id=2))
-    assert isinstance(reply, P.ErrorReply) and reply.code == P.Code.FORBIDDEN
+    assert isinstance(daemon.call(wire.Ping(id=1)), wire.OkReply)
+    reply = daemon.call(wire.Stats(id=2))
+    assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.FORBIDDEN
 
 
 def test_a_session_past_its_rate_is_rate_limited(start_kvd) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 from kvd.config import ServerConfig
 from kvd.errors import StartupError
@@ -84,7 +84,7 @@ def test_bind_sets_socket_mode_and_options(
     sock = bind_router(ctx, [f"ipc://{path}"], ServerConfig())
     try:
         assert stat.S_IMODE(path.stat().st_mode) == 0o660
-        assert sock.getsockopt(zmq.MAXMSGSIZE) == MAXMSGSIZE > P.MAX_MESSAGE_BYTES
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == MAXMSGSIZE > wire.MAX_MESSAGE_BYTES
         assert sock.getsockopt(zmq.LINGER) == 0
         assert sock.getsockopt(zmq.RCVHWM) == ServerConfig().rcvhwm
     finally:
@@ -120,7 +120,7 @@ def test_live_daemon_refuses_the_start(ctx: zmq.Context[zmq.Socket[bytes]], sock
         def answer() -> None:
             if live.poll(2000):
                 ident, *_ = live.recv_multipart()
-                live.send_multipart([ident, bytes((P.Kind.OK,)), poller_answer])
+                live.send_multipart([ident, bytes((wire.Kind.OK,)), poller_answer])
 
         t = threading.Thread(target=answer)
         t.start()

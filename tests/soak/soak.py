@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from kvd_client import protocol as P
+from kvd_client import wire
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
@@ -75,7 +75,7 @@ POOL = {
 WORKER_TIMEOUT = 3.0
 
 
-def call(address: str, req: P.Request, timeout_ms: int = 5000) -> Any:
+def call(address: str, req: wire.Request, timeout_ms: int = 5000) -> Any:
     """One request on a fresh DEALER; the decoded reply, None on time-out."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -84,7 +84,7 @@ def call(address: str, req: P.Request, timeout_ms: int = 5000) -> Any:
         sock.send_multipart(req.encode())
         if not sock.poll(timeout_ms):
             return None
-        return P.decode_reply(sock.recv_multipart())
+        return wire.decode_reply(sock.recv_multipart())
     finally:
         sock.close(0)
 
@@ -140,14 +140,14 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvd exited with {self.proc.returncode}: {self.log_path}")
-            if isinstance(call(self.address, P.Ping(id=1), 200), P.OkReply):
+            if isinstance(call(self.address, wire.Ping(id=1), 200), wire.OkReply):
                 self.started = time.monotonic()
                 return
         raise RuntimeError(f"kvd did not answer within {timeout} s: {self.log_path}")
 
-    def info(self, req: P.Request) -> dict[str, Any]:
+    def info(self, req: wire.Request) -> dict[str, Any]:
         reply = call(self.address, req)
-        if not isinstance(reply, P.OkReply):
+        if not isinstance(reply, wire.OkReply):
             raise RuntimeError(f"{type(req).__name__}: {reply}")
         return reply.result
 
@@ -158,8 +158,8 @@ class Daemon:
         until then the count grows by the workers' own sockets and pidfds.
         """
         if not self.attached:
-            reply = call(self.address, P.Clients(id=1), 1000)
-            if not isinstance(reply, P.OkReply):
+            reply = call(self.address, wire.Clients(id=1), 1000)
+            if not isinstance(reply, wire.OkReply):
                 return
             self.attached = len(reply.result["info"]["sessions"]) >= self.workers
             if not self.attached:
@@ -268,7 +268,7 @@ class Soak:
 
     def check(self) -> None:
         self.checks += 1
-        result = self.daemon.info(P.Check(id=1))
+        result = self.daemon.info(wire.Check(id=1))
         if not result["ok"]:
             self.failed_checks.append(result["problems"])
 
@@ -313,13 +313,13 @@ class Soak:
 
     def finish(self, elapsed: float) -> dict[str, Any]:
         deadline = time.monotonic() + 10
-        while self.daemon.info(P.Clients(id=1))["info"]["sessions"]:
+        while self.daemon.info(wire.Clients(id=1))["info"]["sessions"]:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         self.check()
         self.daemon.sample_rss()
-        stats = self.daemon.info(P.Stats(id=1))["info"]
+        stats = self.daemon.info(wire.Stats(id=1))["info"]
         blocks = stats["blocks"]["default"]
         counts = self.counts()
         errors = {k[4:]: v for k, v in counts.items() if k.startswith("err.")}

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kvd_client import Client, Sequence
-    from kvd_client.layout import PoolLayout
+    from kvd_client.wire import PoolLayout
 
 __all__ = ["KvdCache", "KvdCacheLayer", "check_model"]
 
