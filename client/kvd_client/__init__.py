@@ -3,23 +3,34 @@
 `Client` (blocking) and `AsyncClient` (anyio) open a session on a pool,
 allocate sequences and map the pool's memory (`PoolMapping`) for zero-copy
 numpy/torch views. Errors are `KvdError` subclasses, one per wire code
-(`kvd_client.errors`). The wire contract — messages, codes, the pool
-layout and the daemon's address — is `kvd_client.wire`.
+(`kvd_client.errors`); refusals of capacity are `RefusalError`s.
+
+The contract with the daemon — message kinds and codes, the typed messages
+and their frames, the pool layout, the cuda memory map and the daemon's
+address — is the subpackage `kvd_client.wire`, the only part the daemon
+imports. The names below load on first use, so importing `kvd_client.wire`
+does not load the client (zmq, anyio) along with it.
 """
 
-from kvd_client import errors
-from kvd_client.client import AsyncClient, Batch, Client, Pin, Sequence
-from kvd_client.core import Admission, Deferred
-from kvd_client.errors import (
-    DaemonUnavailable,
-    KvdError,
-    OutOfBlocks,
-    QuotaExceeded,
-    Refused,
-    SessionLost,
-)
-from kvd_client.pool import PoolMapping, ShmPool, open_pool, register_backend
-from kvd_client.wire import Notice, PoolLayout, default_address
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvd_client import errors
+    from kvd_client.client import AsyncClient, Batch, Client, Pin, Sequence
+    from kvd_client.core import Admission, Deferred
+    from kvd_client.errors import (
+        DaemonUnavailable,
+        KvdError,
+        OutOfBlocks,
+        QuotaExceeded,
+        Refused,
+        SessionLost,
+    )
+    from kvd_client.pool import PoolMapping, ShmPool, open_pool, register_backend
+    from kvd_client.wire import Notice, PoolLayout, default_address
 
 __all__ = [
     "Admission",
@@ -47,3 +58,30 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: The module each public name is loaded from (a module itself when the name is one).
+_SOURCES: dict[str, str] = {
+    "errors": "kvd_client.errors",
+    **dict.fromkeys(["AsyncClient", "Batch", "Client", "Pin", "Sequence"], "kvd_client.client"),
+    **dict.fromkeys(["Admission", "Deferred"], "kvd_client.core"),
+    **dict.fromkeys(
+        ["DaemonUnavailable", "KvdError", "OutOfBlocks", "QuotaExceeded", "Refused", "SessionLost"],
+        "kvd_client.errors",
+    ),
+    **dict.fromkeys(["PoolMapping", "ShmPool", "open_pool", "register_backend"], "kvd_client.pool"),
+    **dict.fromkeys(["Notice", "PoolLayout", "default_address"], "kvd_client.wire"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'kvd_client' has no attribute {name!r}")
+    module = importlib.import_module(source)
+    value = module if name == "errors" else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

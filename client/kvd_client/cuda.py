@@ -1,15 +1,11 @@
 """The client side of GPU pools: open a CUDA IPC handle, build torch views.
 
 The daemon allocates each cuda pool as its own device allocation and sends,
-in the hello reply, a memory map (`CudaMemoryMap`)::
-
-    {"backend": "cuda", "device": 0, "uuid": "GPU-…", "handle": <64 bytes>,
-     "offset": 0, "size": N}
-
-``device`` is the daemon's CUDA ordinal, for messages only: a client whose
-``CUDA_VISIBLE_DEVICES`` orders GPUs differently finds the same GPU by its
-``uuid``. A process opens each handle once (CUDA refuses a second open in
-one process; every `CudaPool` of a handle shares it) and builds zero-copy
+in the hello reply, a memory map (`kvd_client.wire.cudamap.CudaMemoryMap`:
+an IPC handle, and the GPU's UUID by which a client finds the same GPU
+whatever its ``CUDA_VISIBLE_DEVICES``). A process opens each handle once
+(CUDA refuses a second open in one process; every `CudaPool` of a handle
+shares it) and builds zero-copy
 torch views through ``__cuda_array_interface__``, with the same shapes as
 every other backend (`layer_views`, `block_view`).
 
@@ -27,11 +23,9 @@ Importing it registers the ``cuda`` backend with `kvd_client.pool`.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -39,15 +33,13 @@ import numpy.typing as npt
 
 from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.pool import PoolMapping, register_backend
-from kvd_client.wire import PAGE, POOL_ALIGN, PoolLayout
+from kvd_client.wire import PoolLayout
+from kvd_client.wire.cudamap import BACKEND, CudaMemoryMap
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "BACKEND",
-    "HANDLE_BYTES",
-    "CudaMemoryMap",
     "CudaPool",
     "CudaUnavailableError",
     "block_view",
@@ -60,14 +52,6 @@ __all__ = [
     "load_torch",
     "local_device",
 ]
-
-#: ``memory["backend"]`` of a cuda pool.
-BACKEND: Final = "cuda"
-#: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``).
-HANDLE_BYTES: Final = 64
-
-_UUID_RE: Final = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-_MAP_KEYS: Final = frozenset({"backend", "device", "uuid", "handle", "offset", "size"})
 
 
 class CudaUnavailableError(LayoutMismatch):
@@ -104,79 +88,6 @@ def format_uuid(raw: bytes) -> str:
         raise ValueError(f"a device UUID is 16 bytes, got {raw!r}")
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"cuda memory map: {key} {message}")
-
-
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
-@dataclass(frozen=True, slots=True)
-class CudaMemoryMap:
-    """Where a cuda pool's bytes are: an IPC handle, and the pool's span in it.
-
-    ``offset`` and ``size`` delimit the pool inside the exported allocation;
-    ``device`` is the daemon's ordinal, ``uuid`` the GPU's identity. Built
-    by the daemon (`to_dict` is the hello reply's ``memory``) and parsed by
-    clients (`from_dict`): one definition for both sides.
-    """
-
-    device: int
-    uuid: str
-    handle: bytes
-    offset: int
-    size: int
-
-    def __post_init__(self) -> None:
-        _require(_is_int(self.device) and self.device >= 0, "device", "must be an ordinal >= 0")
-        _require(type(self.uuid) is str and bool(_UUID_RE.match(self.uuid)), "uuid", "is not GPU-…")
-        _require(
-            type(self.handle) is bytes and len(self.handle) == HANDLE_BYTES,
-            "handle",
-            f"must be {HANDLE_BYTES} bytes",
-        )
-        _require(
-            _is_int(self.offset) and self.offset >= 0 and self.offset % PAGE == 0,
-            "offset",
-            f"must be a multiple of {PAGE} >= 0",
-        )
-        _require(
-            _is_int(self.size) and self.size > 0 and self.size % POOL_ALIGN == 0,
-            "size",
-            f"must be a positive multiple of {POOL_ALIGN}",
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The msgpack-ready form (``handle`` packs as ``bin``)."""
-        return {
-            "backend": BACKEND,
-            "device": self.device,
-            "uuid": self.uuid,
-            "handle": self.handle,
-            "offset": self.offset,
-            "size": self.size,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CudaMemoryMap:
-        """Parse a hello reply's memory map; ValueError names the bad key."""
-        _require(isinstance(d, Mapping), "", "must be a map")
-        _require(d.get("backend") == BACKEND, "backend", f"must be {BACKEND!r}")
-        missing = _MAP_KEYS - d.keys()
-        _require(not missing, ",".join(sorted(missing)), "missing")
-        unknown = d.keys() - _MAP_KEYS
-        _require(not unknown, ",".join(sorted(map(str, unknown))), "unknown")
-        return cls(
-            device=d["device"],
-            uuid=d["uuid"],
-            handle=d["handle"],
-            offset=d["offset"],
-            size=d["size"],
-        )
 
 
 def canonical_uuid(text: str | bytes) -> str | None:

@@ -6,7 +6,7 @@ or torch's caching allocator: an IPC handle exports the whole allocation it
 points into, and a carved one would expose its neighbours to every client.
 The allocation is zeroed (no earlier tenant's bytes reach a client) and
 exported with ``cudaIpcGetMemHandle``; the hello reply carries that handle
-with the device's UUID (`kvd_client.cuda.CudaMemoryMap`), and clients map
+with the device's UUID (`kvd_client.wire.CudaMemoryMap`), and clients map
 it with ``cudaIpcOpenMemHandle``. The daemon, the exporting process, keeps
 the allocation until the pool is closed.
 
@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Final
 
-from kvd_client.cuda import CudaMemoryMap
-from kvd_client.wire import POOL_ALIGN, PoolLayout, round_up
+from kvd_client.wire import POOL_ALIGN, CudaMemoryMap, PoolLayout, round_up
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory.base import Capacity

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 from kvd_client.cuda import (
-    HANDLE_BYTES,
-    CudaMemoryMap,
     CudaPool,
     CudaUnavailableError,
     block_view,
@@ -28,7 +26,8 @@ from kvd_client.cuda import (
 )
 from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.pool import BACKENDS, open_pool
-from kvd_client.wire import POOL_ALIGN, PoolLayout
+from kvd_client.wire import POOL_ALIGN, CudaMemoryMap, PoolLayout
+from kvd_client.wire.cudamap import HANDLE_BYTES
 
 UUID_BYTES = bytes.fromhex("8f2c1a0e5b7d4c3a9e1f00112233aabb")
 UUID = "GPU-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb"

@@ -13,8 +13,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from kvd_client.cuda import CudaMemoryMap
-from kvd_client.wire import POOL_ALIGN, PoolLayout
+from kvd_client.wire import POOL_ALIGN, CudaMemoryMap, PoolLayout
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory import cuda

@@ -1,21 +1,61 @@
 """kvd_client.wire: the contract between the daemon and its clients.
 
-Everything both sides must agree on, and nothing else: the message kinds,
-codes and limits, the typed request/result messages and their frames
-(`protocol`), where a pool's blocks live (`layout`), and where the daemon
-listens (`address`). The daemon imports nothing of `kvd_client` outside
-this package, so it depends only on numpy and msgpack.
+Everything both sides must agree on, and nothing else, one job per module:
+
+- `codes`: message kinds, error codes, limits, `ProtocolError`
+- `payloads`: msgpack bodies and the byte forms of token and block ids
+- `codec`: the field schema and the per-kind compiled decoders/encoders
+- `messages`: the typed requests and results
+- `frames`: whole messages: replies, notices, request/reply decoding, batches
+- `layout`: where a pool's blocks live (`PoolLayout`)
+- `cudamap`: where a cuda pool's bytes are (`CudaMemoryMap`)
+- `address`: where the daemon listens
+
+The daemon imports nothing of `kvd_client` outside this package, so the
+package imports only numpy and msgpack (never torch, zmq or cupy).
 """
 
-from kvd_client.wire.address import ADDRESS_ENV, default_address, ipc_path, runtime_dir
-from kvd_client.wire.layout import DTYPE_SIZES, PAGE, POOL_ALIGN, Order, PoolLayout, round_up
-from kvd_client.wire.protocol import (
+from kvd_client.wire.address import (
+    ADDRESS_ENV,
+    default_address,
+    ipc_path,
+    runtime_dir,
+)
+from kvd_client.wire.codes import (
     MAX_BATCH_OPS,
     MAX_FRAMES,
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
     MAX_TOKENS,
     PROTOCOL_VERSION,
+    Code,
+    Kind,
+    ProtocolError,
+)
+from kvd_client.wire.cudamap import (
+    CudaMemoryMap,
+)
+from kvd_client.wire.frames import (
+    ErrorReply,
+    Notice,
+    OkReply,
+    decode_batch_op,
+    decode_reply,
+    decode_request,
+    encode_batch,
+    encode_error,
+    encode_notice,
+    encode_ok,
+)
+from kvd_client.wire.layout import (
+    DTYPE_SIZES,
+    PAGE,
+    POOL_ALIGN,
+    Order,
+    PoolLayout,
+    round_up,
+)
+from kvd_client.wire.messages import (
     REQUESTS,
     RESULTS,
     Allocate,
@@ -29,11 +69,9 @@ from kvd_client.wire.protocol import (
     Check,
     CheckResult,
     Clients,
-    Code,
     Commit,
     CommitResult,
     Empty,
-    ErrorReply,
     Flush,
     FlushResult,
     Fork,
@@ -45,33 +83,24 @@ from kvd_client.wire.protocol import (
     HelloResult,
     Info,
     InfoResult,
-    Kind,
     Message,
-    Notice,
-    OkReply,
     OpResult,
     Pin,
     Ping,
     PingResult,
     PinResult,
     Pools,
-    ProtocolError,
     Request,
     Result,
     Stats,
-    TokenFrames,
     Truncate,
     TruncateResult,
     Unpin,
+)
+from kvd_client.wire.payloads import (
+    TokenFrames,
     blocks_from_bytes,
     blocks_to_bytes,
-    decode_batch_op,
-    decode_reply,
-    decode_request,
-    encode_batch,
-    encode_error,
-    encode_notice,
-    encode_ok,
     pack,
     tokens_from_bytes,
     tokens_to_bytes,
@@ -104,6 +133,7 @@ __all__ = [
     "Code",
     "Commit",
     "CommitResult",
+    "CudaMemoryMap",
     "Empty",
     "ErrorReply",
     "Flush",
