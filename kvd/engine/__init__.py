@@ -4,8 +4,9 @@ See ``docs/architecture.md`` for the contract. Imports only the standard
 library and numpy.
 """
 
+from kvd.engine.checks import TokensLike
 from kvd.engine.config import EngineConfig
-from kvd.engine.engine import Engine, TokensLike
+from kvd.engine.engine import Engine
 from kvd.engine.errors import (
     Code,
     EngineError,

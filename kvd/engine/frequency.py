@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 from kvd.engine.block import Block
-from kvd.engine.free_list import BlockQueue
+from kvd.engine.block_queue import BlockQueue
 from kvd.engine.pool import BlockPool
 from kvd.engine.prefix_index import PrefixIndex
 

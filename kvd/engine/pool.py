@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvd.engine.block import Block
-from kvd.engine.free_list import BlockQueue
+from kvd.engine.block_queue import BlockQueue
 from kvd.engine.prefix_index import PrefixIndex
 
 __all__ = ["BlockPool"]

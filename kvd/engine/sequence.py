@@ -1,23 +1,18 @@
-"""A sequence: a client's request, its tokens and its block table."""
+"""A sequence's state: a client's request, its tokens and its block table."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvd.engine.block import Block
 
-if TYPE_CHECKING:
-    from kvd.engine.namespace import Namespace
-    from kvd.engine.session import Session
-
-__all__ = ["Sequence"]
+__all__ = ["SequenceState"]
 
 
-class Sequence:
-    """A request's state (metadata only).
+class SequenceState:
+    """A request's state (metadata only), filed under its session's ``seqs``
+    (the session, and through it the namespace, is the owner: no back link).
 
     - ``tokens[:length]`` are its token ids, in a growing int32 buffer.
     - ``table`` holds exactly ``ceil(length / block_size)`` blocks.
@@ -40,13 +35,11 @@ class Sequence:
         "epoch",
         "keys",
         "length",
-        "namespace",
         "num_cached",
         "out",
         "reserve",
         "reserve_blocks",
         "seq_id",
-        "session",
         "table",
         "tokens",
     )
@@ -54,8 +47,7 @@ class Sequence:
     def __init__(
         self,
         seq_id: str,
-        session: Session,
-        namespace: Namespace,
+        epoch: int,
         *,
         tokens: npt.NDArray[np.int32],
         length: int,
@@ -67,9 +59,7 @@ class Sequence:
         out: int,
     ) -> None:
         self.seq_id = seq_id
-        self.session = session
-        self.namespace = namespace
-        self.epoch = namespace.epoch
+        self.epoch = epoch
         self.tokens = tokens
         self.length = length
         self.table = table
@@ -99,6 +89,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.seq_id!r}, length={self.length}, blocks={len(self.table)}, "
+            f"SequenceState({self.seq_id!r}, length={self.length}, blocks={len(self.table)}, "
             f"committed={self.committed}, reserve={self.reserve})"
         )

@@ -57,7 +57,7 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
             if isinstance(pool, FrequencyPool)
             else None
         ),
-        "outstanding": eng._outstanding,
+        "outstanding": eng._accounts.outstanding,
         "events": list(eng._events),
         "sessions": {
             sid: (
@@ -83,7 +83,7 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
         },
         "namespaces": {
             name: (ns.usage, ns.epoch, {k: b.block_id for k, b in ns.index.items()})
-            for name, ns in eng._namespaces.items()
+            for name, ns in eng._accounts.namespaces.items()
         },
         "stats": stats,
     }

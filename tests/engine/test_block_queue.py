@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvd.engine.block import Block
-from kvd.engine.free_list import BlockQueue
+from kvd.engine.block_queue import BlockQueue
 
 
 def ids(queue: BlockQueue) -> list[int]:

@@ -10,8 +10,6 @@ from kvd.engine import (
     Appended,
     BlockStored,
     Committed,
-    Engine,
-    EngineConfig,
     Truncated,
 )
 from kvd.engine.hashing import BlockHasher
@@ -360,19 +358,3 @@ def test_stats_count_queries_hits_and_usage(eng: Checked) -> None:
 def test_stats_count_reserved_blocks(eng: Checked) -> None:
     alloc(eng, "a", toks(3), reserve=13)
     assert eng.stats().reserved == 3
-
-
-def test_check_invariants_lists_every_problem(eng: Checked) -> None:
-    r = alloc(eng, "a", toks(5))
-    raw: Engine = eng.engine
-    raw._pool.blocks[r.table[0]].ref += 1
-    raw._outstanding += 2
-    with pytest.raises(AssertionError) as info:
-        raw.check_invariants()
-    problems = info.value.problems  # type: ignore[attr-defined]
-    assert any("block 0: ref 2, holders 1" in p for p in problems)
-    assert any("outstanding reservations 2" in p for p in problems)
-
-
-def test_a_fresh_engine_satisfies_its_invariants() -> None:
-    Engine(EngineConfig(num_blocks=4)).check_invariants()

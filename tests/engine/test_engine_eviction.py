@@ -90,7 +90,7 @@ def test_an_evicted_block_loses_its_key_at_once(make: Make) -> None:
     alloc(eng, "x", toks(12, start=500))
     for bid in a.table[:2]:
         assert eng._pool.blocks[bid].key is None
-    assert len(eng._namespaces[""].index) == 0
+    assert len(eng._accounts.namespaces[""].index) == 0
     eng.free(1, "x")
     assert alloc(eng, "b", toks(9)).num_cached_tokens == 0
 
@@ -98,7 +98,7 @@ def test_an_evicted_block_loses_its_key_at_once(make: Make) -> None:
 def test_one_eviction_pass_is_one_removal_event(make: Make) -> None:
     eng = make(3)
     cached(eng, "a", toks(9))
-    keys = list(eng._namespaces[""].index)
+    keys = list(eng._accounts.namespaces[""].index)
     eng.drain_events()
     alloc(eng, "x", toks(12, start=500))
     assert eng.drain_events() == [BlockRemoved(keys[::-1])]

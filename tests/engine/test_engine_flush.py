@@ -79,7 +79,7 @@ def test_a_namespace_flush_spares_other_namespaces(eng: Checked) -> None:
 def test_a_namespace_flush_reports_its_keys_removed(eng: Checked) -> None:
     eng.open_session(2, namespace="t")
     cache(eng, "b", toks(9), sid=2)
-    keys = list(eng._namespaces["t"].index)
+    keys = list(eng._accounts.namespaces["t"].index)
     eng.drain_events()
     assert eng.flush("t") == 2
     assert eng.drain_events() == [BlockRemoved(keys)]

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvd.engine.namespace import Namespace
-from kvd.engine.sequence import Sequence
-from kvd.engine.session import Session
+from kvd.engine.sequence import SequenceState
 
 
-def make(capacity: int) -> Sequence:
-    ns = Namespace("")
-    return Sequence(
+def make(capacity: int) -> SequenceState:
+    return SequenceState(
         "s",
-        Session(1, ns, None, None, 0),
-        ns,
+        0,
         tokens=np.zeros(capacity, dtype=np.int32),
         length=0,
         table=[],
@@ -41,22 +37,3 @@ def test_write_grows_the_buffer_keeping_the_tokens() -> None:
     assert seq.length == 102
     assert seq.tokens.shape[0] >= 102
     assert seq.tokens[:102].tolist() == [5, 6, *range(100)]
-
-
-def test_a_new_sequence_takes_its_namespace_epoch() -> None:
-    ns = Namespace("")
-    ns.epoch = 3
-    seq = Sequence(
-        "s",
-        Session(1, ns, None, None, 0),
-        ns,
-        tokens=np.zeros(1, dtype=np.int32),
-        length=0,
-        table=[],
-        keys=[],
-        num_cached=0,
-        reserve=0,
-        reserve_blocks=0,
-        out=0,
-    )
-    assert seq.epoch == 3

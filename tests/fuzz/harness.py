@@ -37,8 +37,8 @@ from kvd.server.sessions import PeerCred, SessionTable
 BS = 16
 NUM_BLOCKS = 16
 CODES = frozenset(str(c) for c in wire.Code)
-#: Engine fields that count outcomes rather than hold state (a refusal is counted).
-COUNTER_FIELDS = frozenset({"_refusals"})
+#: Engine fields (at any depth) that count outcomes rather than hold state (a refusal is counted).
+COUNTER_FIELDS = frozenset({"refusals"})
 #: Session fields a request renews by design (the lease) or counts.
 LEASE_FIELDS = ("last_seen", "requests")
 ATTACKER, VICTIM, NOBODY = b"A", b"B", b"C"
@@ -82,7 +82,7 @@ def deep_state(
         return ("opaque", type(obj).__name__, repr(obj))
     return (
         type(obj).__name__,
-        tuple((n, deep_state(v, memo)) for n, v in sorted(fields.items()) if n not in skip),
+        tuple((n, deep_state(v, memo, skip)) for n, v in sorted(fields.items()) if n not in skip),
     )
 
 

@@ -1,0 +1,32 @@
+"""Invariants: a recount of the engine state finds every inconsistency."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.engine import Allocation, Engine, EngineConfig
+
+from .support import Checked, toks
+
+
+def test_check_invariants_reports_an_unused_namespace(eng: Checked) -> None:
+    eng.engine._accounts.namespace("ghost")
+    with pytest.raises(AssertionError, match="'ghost' is unused but still registered"):
+        eng.engine.check_invariants()
+
+
+def test_check_invariants_lists_every_problem(eng: Checked) -> None:
+    r = eng.allocate(1, "a", toks(5))
+    assert isinstance(r, Allocation)
+    raw: Engine = eng.engine
+    raw._pool.blocks[r.table[0]].ref += 1
+    raw._accounts.outstanding += 2
+    with pytest.raises(AssertionError) as info:
+        raw.check_invariants()
+    problems = info.value.problems  # type: ignore[attr-defined]
+    assert any("block 0: ref 2, holders 1" in p for p in problems)
+    assert any("outstanding reservations 2" in p for p in problems)
+
+
+def test_a_fresh_engine_satisfies_its_invariants() -> None:
+    Engine(EngineConfig(num_blocks=4)).check_invariants()
