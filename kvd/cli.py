@@ -21,7 +21,7 @@ import anyio
 
 import kvd
 from kvd.config import Config, load_config
-from kvd.errors import KvdError
+from kvd.errors import DaemonError
 from kvd.log import configure_logging
 from kvd.server import Daemon
 
@@ -62,7 +62,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise KvdError(f"--set expects KEY=VALUE, got {item!r}")
+            raise DaemonError(f"--set expects KEY=VALUE, got {item!r}")
         out[key.strip()] = value
     for key, value in (
         ("server.address", args.address),
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_log_config=_apply_logging,
         )
         anyio.run(daemon.run)
-    except KvdError as exc:
+    except DaemonError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a signal before the handlers were installed

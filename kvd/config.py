@@ -13,6 +13,10 @@ server.lease_ms=3000`` uses dotted paths with the same parsing.
 
 Unknown keys and invalid values raise `ConfigError` naming the dotted key.
 The config is passed down explicitly; there is no global instance.
+
+What a SIGHUP may change on a running daemon is declared on each field
+(``metadata=RELOAD``); `reload_keys` lists them for the reload and for
+``kvd-ctl config``. Every other key needs a restart.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvd.errors import ConfigError
 __all__ = [
     "BACKENDS",
     "EVICTIONS",
+    "RELOAD",
     "AdmissionConfig",
     "CacheConfig",
     "Config",
@@ -48,12 +53,15 @@ __all__ = [
     "SecurityConfig",
     "ServerConfig",
     "load_config",
+    "reload_keys",
 ]
 
 #: Memory backends a pool may name (``cuda`` joins the registry later).
 BACKENDS: Final = ("shm", "cuda")
 #: ``cache.eviction`` settings (the engine's `EVICTION_POLICIES`, which a test keeps equal).
 EVICTIONS: Final = ("frequency", "lru")
+#: Field metadata of a key that a SIGHUP applies to the running daemon.
+RELOAD: Final = {"reload": True}
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 _LOG_FORMATS: Final = ("auto", "json", "console")
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -200,11 +208,11 @@ class AdmissionConfig:
     #: Blocks kept free for the growth of running sequences.
     watermark_blocks: int = 0
     #: Hard cap per session (held + reserved + pinned blocks); 0 = none.
-    session_quota_blocks: int = 0
+    session_quota_blocks: int = field(default=0, metadata=RELOAD)
     #: Usage fractions whose crossing pushes a pressure notice to clients.
-    pressure_thresholds: tuple[float, ...] = (0.8, 0.9, 0.95)
+    pressure_thresholds: tuple[float, ...] = field(default=(0.8, 0.9, 0.95), metadata=RELOAD)
     #: Per-namespace caps and minimums: ``[admission.namespaces.NAME]``.
-    namespaces: dict[str, NamespaceLimits] = field(default_factory=dict)
+    namespaces: dict[str, NamespaceLimits] = field(default_factory=dict, metadata=RELOAD)
 
     def __post_init__(self) -> None:
         _require(self.watermark_blocks >= 0, "watermark_blocks", "must be >= 0")
@@ -222,19 +230,19 @@ class MemoryConfig:
     """Node-wide memory settings."""
 
     #: Bytes all pools together may take; a pool set above it is refused. 0 = unlimited.
-    budget_bytes: int = 0
+    budget_bytes: int = field(default=0, metadata=RELOAD)
     #: Bytes every memory place (the shm tmpfs, a GPU) must keep free after the pools.
-    headroom_bytes: int = 0
+    headroom_bytes: int = field(default=0, metadata=RELOAD)
     #: Directory of shm pool files (a tmpfs).
     shm_dir: str = "/dev/shm"  # noqa: S108 (the tmpfs itself, not a temp file)
     #: Let a client's hello create a pool for its layout (``create``); else FORBIDDEN.
-    runtime_pools: bool = True
+    runtime_pools: bool = field(default=True, metadata=RELOAD)
     #: Most pools created at runtime that may exist at once (0: none).
-    max_runtime_pools: int = 4
+    max_runtime_pools: int = field(default=4, metadata=RELOAD)
     #: Largest pool a client may create, in bytes (0: only the budget and headroom limit it).
-    runtime_pool_max_bytes: int = 8 << 30
+    runtime_pool_max_bytes: int = field(default=8 << 30, metadata=RELOAD)
     #: Backend of a runtime pool whose hello names none.
-    runtime_pool_backend: str = "shm"
+    runtime_pool_backend: str = field(default="shm", metadata=RELOAD)
 
     def __post_init__(self) -> None:
         _require(self.budget_bytes >= 0, "budget_bytes", "must be >= 0 (0 = unlimited)")
@@ -304,9 +312,9 @@ class PoolConfig:
 class LogConfig:
     """Structured logs (configured by ``kvd.log``)."""
 
-    level: str = "info"
+    level: str = field(default="info", metadata=RELOAD)
     #: ``auto``: JSON when stderr is not a terminal, console otherwise.
-    format: str = "auto"
+    format: str = field(default="auto", metadata=RELOAD)
 
     def __post_init__(self) -> None:
         _require(self.level in _LOG_LEVELS, "level", f"must be one of {list(_LOG_LEVELS)}")
@@ -427,6 +435,18 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for ``kvd --print-config`` and stats)."""
         return dataclasses.asdict(self)
+
+
+def reload_keys() -> frozenset[str]:
+    """Dotted names of the keys a SIGHUP applies (fields declared with ``RELOAD``)."""
+    hints = typing.get_type_hints(Config)
+    return frozenset(
+        f"{section.name}.{key.name}"
+        for section in dataclasses.fields(Config)
+        if dataclasses.is_dataclass(hints[section.name])
+        for key in dataclasses.fields(hints[section.name])
+        if key.metadata.get("reload")
+    )
 
 
 # --------------------------------------------------------------------------

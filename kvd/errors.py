@@ -3,19 +3,34 @@
 Wire-level errors live in `kvd_client.wire` (`ProtocolError`, `Code`);
 the engine's own caller mistakes in `kvd.engine.errors`. These are the
 daemon's failures to *start*: a bad configuration, a pool that does not
-fit, a live daemon already serving the address.
+fit, a live daemon already serving the address (each also refuses a
+runtime pool, as a reply), and `RequestError`, a handler's refusal of one
+request.
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "KvdError", "PoolTooLargeError", "StartupError"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvd_client.wire import Code
+
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "DaemonError",
+    "NoSuchDeviceError",
+    "PoolTooLargeError",
+    "RequestError",
+    "StartupError",
+]
 
 
-class KvdError(Exception):
+class DaemonError(Exception):
     """Base of the daemon's own errors; ``str()`` is the one-line message."""
 
 
-class ConfigError(KvdError):
+class ConfigError(DaemonError):
     """A configuration key is unknown or its value is invalid.
 
     ``key`` is the dotted name (``server.lease_ms``) so the message points
@@ -28,8 +43,16 @@ class ConfigError(KvdError):
         self.message = message
 
 
-class StartupError(KvdError):
+class StartupError(DaemonError):
     """The daemon cannot start (address in use by a live daemon, bind failure...)."""
+
+
+class BackendUnavailableError(StartupError):
+    """A pool's memory backend cannot run on this host (no CUDA runtime, no cupy)."""
+
+
+class NoSuchDeviceError(StartupError):
+    """A pool names a device this host does not have."""
 
 
 class PoolTooLargeError(StartupError):
@@ -51,3 +74,15 @@ def _fmt_bytes(n: int) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+class RequestError(Exception):
+    """A handler's refusal of one request (not a bug), answered with ``code``.
+
+    Raised before anything changes, like the engine's own caller errors.
+    """
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

@@ -35,6 +35,7 @@ __all__ = [
     "ShuttingDown",
     "TooLarge",
     "UnknownKind",
+    "Unsupported",
     "VersionMismatch",
     "error_from_reply",
 ]
@@ -142,6 +143,12 @@ class Busy(KvdError):
     CODE = Code.BUSY
 
 
+class Unsupported(KvdError):
+    """This host cannot serve what was asked (e.g. a cuda pool where CUDA is missing)."""
+
+    CODE = Code.UNSUPPORTED
+
+
 class ShuttingDown(KvdError):
     """The daemon is draining for shutdown and accepts no new work."""
 
@@ -182,6 +189,7 @@ ERRORS: Final[dict[str, type[KvdError]]] = {
         Forbidden,
         RateLimited,
         Busy,
+        Unsupported,
         ShuttingDown,
         InternalError,
     )

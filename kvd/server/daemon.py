@@ -42,11 +42,12 @@ what needs a restart and what it refused. A file that does not load
 (``reload_failed``) changes nothing.
 
 Runtime pools: a HELLO with ``create`` for a pool that does not exist is
-checked by the dispatcher and handed here; the daemon reads the backend's
-free memory and decides with the node budget (as at startup, counting the
-pools it holds), creates and prefaults the memory in a worker thread (one
-creation at a time), adds the pool and answers the same HELLO as an
-attach. The socket loop keeps serving meanwhile.
+checked by the pools' owner (`kvd.server.pools`) and handed here as a
+`PendingHello`; one task takes them in order, has the pools judge the
+memory that is there and the node budget and create and prefault the pool
+in a worker thread (one creation at a time, so a second hello for the same
+pool finds it made), then answers the hello as an attach, or with the
+refusal. The socket loop keeps serving meanwhile.
 """
 
 from __future__ import annotations
@@ -65,17 +66,19 @@ import anyio
 import anyio.abc
 import structlog
 import zmq
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvd_client import wire
 
 from kvd.config import Config, PoolConfig
-from kvd.engine import Engine, EngineConfig
-from kvd.errors import KvdError, StartupError
-from kvd.memory import PoolMemory, backend_capacity, create_pool_memory, remove_stale_segments
-from kvd.memory.budget import MemoryBudget, PoolRequest, decide
+from kvd.errors import DaemonError, StartupError
+from kvd.memory import remove_stale_segments
 from kvd.server import transport
-from kvd.server.handlers import Dispatcher, PoolCreation, PoolRuntime
+from kvd.server.dispatch import Dispatcher
+from kvd.server.handshake import PendingHello
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
+from kvd.server.pools import PoolRefusal, Pools
+from kvd.server.reload import reload_config
 from kvd.server.sdnotify import Notifier
 from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
 from kvd.server.sessions import SessionTable, parse_peer_address
@@ -119,14 +122,14 @@ class Daemon:
         self._sock: zmq.Socket[bytes] | None = None
         #: Vets the CURVE clients of a tcp endpoint (None without one).
         self._zap: ZapHandler | None = None
-        self._pools: dict[str, PoolRuntime] = {}
-        self._memories: list[PoolMemory] = []
+        self.pools = Pools(config, instance=self.instance)
         self._bound: list[Path] = []
         self._publisher: KVEventPublisher | None = None
         self._channels: dict[str, EventChannel] = {}
-        #: Runtime pools being created, by name; one creation allocates at a time.
-        self._creating: dict[str, anyio.Event] = {}
-        self._create_lock = anyio.Lock()
+        #: Hellos waiting for a runtime pool, from the request thread to the creating task.
+        self._pending: tuple[
+            MemoryObjectSendStream[PendingHello], MemoryObjectReceiveStream[PendingHello]
+        ] = anyio.create_memory_object_stream[PendingHello](max_buffer_size=float("inf"))
         self.dispatcher: Dispatcher | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._drain_requested = anyio.Event()
@@ -145,52 +148,6 @@ class Daemon:
     # ------------------------------------------------------------------
     # Start
 
-    def _check_budget(self) -> None:
-        """Refuse a pool set that does not fit, before allocating any of it."""
-        mem = self.config.memory
-        budget = MemoryBudget(headroom_bytes=mem.headroom_bytes, cap_bytes=mem.budget_bytes or None)
-        free: dict[str, int] = {}
-        requests = []
-        for pool in self.config.pools:
-            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
-            place = f"{pool.backend} ({cap.where})"
-            free[place] = cap.bytes
-            requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
-        refused = [d for d in budget.plan(requests, free) if not d.ok]
-        if refused:
-            raise StartupError("; ".join(d.message for d in refused))
-
-    def _create_pool(self, pool: PoolConfig) -> PoolMemory:
-        return create_pool_memory(
-            pool.backend,
-            pool.name,
-            pool.layout,
-            instance=self.instance,
-            shm_dir=self.config.memory.shm_dir,
-            prefault=pool.prefault,
-            hugepages=pool.hugepages,
-            device=pool.device,
-            headroom_bytes=self.config.memory.headroom_bytes,
-        )
-
-    def _engine(self, pool: PoolConfig) -> Engine:
-        adm = self.config.admission
-        engine = Engine(
-            EngineConfig(
-                num_blocks=pool.num_blocks,
-                block_size=pool.block_size,
-                hash_seed=self.config.cache.hash_seed,
-                watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
-                events=self.config.events.enabled,
-                eviction=self.config.cache.eviction,
-            )
-        )
-        for ns, limits in adm.namespaces.items():
-            engine.set_namespace_limits(
-                ns, quota=limits.quota_blocks or None, minimum=limits.minimum_blocks
-            )
-        return engine
-
     async def _start(self) -> None:
         self._ctx = zmq.Context()
         for address in self.addresses:
@@ -203,12 +160,12 @@ class Daemon:
         )
         if stale:
             log.warning("stale_segments_removed", paths=stale)
-        await anyio.to_thread.run_sync(self._check_budget)
+        await anyio.to_thread.run_sync(self.pools.check_budget)
         for pool in self.config.pools:
             t0 = time.perf_counter()
-            memory = await anyio.to_thread.run_sync(self._create_pool, pool)
-            self._memories.append(memory)
-            self._pools[pool.name] = PoolRuntime(pool, self._engine(pool), memory)
+            served = await anyio.to_thread.run_sync(self.pools.create, pool)
+            self.pools.add(served)
+            memory = served.memory
             log.info(
                 "pool_ready",
                 pool=pool.name,
@@ -245,9 +202,7 @@ class Daemon:
                 f"cannot publish KV events on {ev.endpoint}: {zmq.strerror(exc.errno or 0)}"
             ) from None
         self._publisher = publisher
-        channels = {
-            name: self._channel(publisher, pool.config) for name, pool in self._pools.items()
-        }
+        channels = {pool.name: self._channel(publisher, pool.config) for pool in self.pools}
         return publisher, channels
 
     def _channel(self, publisher: KVEventPublisher, pool: PoolConfig) -> EventChannel:
@@ -267,8 +222,7 @@ class Daemon:
             self._zap = None
         while self._bound:
             self._bound.pop().unlink(missing_ok=True)
-        while self._memories:
-            self._memories.pop().close()
+        self.pools.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -294,7 +248,7 @@ class Daemon:
             self._channels = channels
             self.dispatcher = Dispatcher(
                 cfg,
-                self._pools,
+                self.pools,
                 sessions,
                 epoch=self.epoch,
                 addresses=self.addresses,
@@ -304,9 +258,9 @@ class Daemon:
                 observe=metrics.observe if metrics is not None else None,
             )
             if publisher is not None:
-                self.dispatcher.sections["events"] = publisher.stats
+                self.dispatcher.info.sections["events"] = publisher.stats
             if self._zap is not None:
-                self.dispatcher.sections["security"] = self._zap.stats
+                self.dispatcher.info.sections["security"] = self._zap.stats
             # The handlers go in before the socket is served: a signal sent as soon
             # as the daemon answers (or says READY=1) must never meet the default
             # action (SIGHUP's is to terminate).
@@ -319,7 +273,7 @@ class Daemon:
                     else None
                 )
                 await self._serve_all(notifier, publisher, signals, task_status)
-            linger_ms = 200 if self.dispatcher.draining else 0
+            linger_ms = 200 if self.dispatcher.state.draining else 0
             if publisher is not None:
                 publisher.close()
                 self._publisher = None
@@ -347,6 +301,7 @@ class Daemon:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
+            tg.start_soon(self._create_runtime_pools, self._pending[1])
             if self._zap is not None:
                 tg.start_soon(self._zap.serve)
             if signals is not None:
@@ -361,7 +316,7 @@ class Daemon:
                 address=self.addresses[0],
                 addresses=self.addresses,
                 epoch=self.epoch,
-                pools=len(self._pools),
+                pools=len(self.pools),
             )
             task_status.started(self)
 
@@ -382,7 +337,7 @@ class Daemon:
         """The stats reshaped as kvd.server.metrics reads them (pools nest blocks, prefix)."""
         assert self.dispatcher is not None
         with self._lock:
-            stats = self.dispatcher.stats()
+            stats = self.dispatcher.info.stats()
         pools = {
             name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
             for name in stats["pools"]
@@ -395,7 +350,7 @@ class Daemon:
     def _status_line(self) -> str:
         assert self.dispatcher is not None
         with self._lock:
-            stats = self.dispatcher.stats()
+            stats = self.dispatcher.info.stats()
         used = sum(b["in_use"] for b in stats["blocks"].values())
         total = sum(b["total"] for b in stats["blocks"].values())
         return f"blocks in use {used}/{total}, {stats['clients']['sessions']} clients"
@@ -500,8 +455,9 @@ class Daemon:
                         user_id = str(ident.get("User-Id")) or None
             with lock:
                 reply = handle(identity, frames, peer, user_id)
-            if not reply:  # deferred: the loop starts the creation (outside the lock)
-                anyio.from_thread.run_sync(self._start_creations, token=token)
+            if not reply:  # a hello waits for its pool: the loop's task creates it
+                for job in dispatcher.take_pending():
+                    anyio.from_thread.run_sync(self._pending[0].send_nowait, job, token=token)
                 continue
             try:
                 send(sock, identity, noblock | more)
@@ -526,13 +482,6 @@ class Daemon:
     # ------------------------------------------------------------------
     # Runtime pools
 
-    def _start_creations(self) -> None:
-        assert self.dispatcher is not None and self._tg is not None
-        with self._lock:
-            jobs = self.dispatcher.take_creations()
-        for job in jobs:
-            self._tg.start_soon(self._create_runtime_pool, job)
-
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         """Queue a reply for the request thread (the loop never touches the socket)."""
         if self._wake is not None:
@@ -540,100 +489,59 @@ class Daemon:
             with contextlib.suppress(zmq.ZMQError):
                 self._wake.send(b"", zmq.NOBLOCK)
 
-    async def _create_runtime_pool(self, job: PoolCreation) -> None:
-        """Create ``job``'s pool (or wait for another hello creating it), then redo the hello."""
+    async def _create_runtime_pools(self, jobs: MemoryObjectReceiveStream[PendingHello]) -> None:
+        """Create the pools deferred hellos ask for, in order and one at a time; answer each."""
         dispatcher = self.dispatcher
         assert dispatcher is not None
-        name = job.config.name
-        other = self._creating.get(name)
-        if other is not None:
-            await other.wait()
-        elif name not in self._pools:  # else created since this hello was deferred: attach
-            done = self._creating[name] = anyio.Event()
-            try:
-                async with self._create_lock:
-                    refusal = await self._add_runtime_pool(job.config)
-            finally:
-                del self._creating[name]
-                done.set()
-            if refusal is not None:
-                with self._lock:
-                    frames = dispatcher.refuse_creation(job, *refusal)
-                self._send(job.identity, frames)
-                return
-        with self._lock:
-            reply = dispatcher.handle(job.identity, job.frames, job.peer, job.user_id)
-        if reply:
-            self._send(job.identity, reply)
-        else:  # the creation it waited for was refused: this hello tries on its own
-            self._start_creations()
+        async for job in jobs:
+            # Only this task adds pools once serving: a pool made for an earlier
+            # hello is there, and this one attaches to it (or gets MISMATCH).
+            refusal = None
+            if job.config.name not in self.pools:
+                refusal = await self._add_runtime_pool(job.config)
+            with self._lock:
+                frames = dispatcher.finish_hello(job, refusal)
+            self._send(job.call.identity, frames)
 
-    async def _add_runtime_pool(self, pool: PoolConfig) -> tuple[wire.Code, str] | None:
-        """Budget, create, serve; the refusal's (code, message) when it does not fit."""
-        assert self.dispatcher is not None
-        mem = self.dispatcher.config.memory
-        held = sum(p.layout.total_bytes for p in self._pools.values())
+    async def _add_runtime_pool(self, pool: PoolConfig) -> PoolRefusal | None:
+        """Judge, create and serve ``pool``; the refusal when it is not made (nothing changed)."""
         t0 = time.perf_counter()
-
-        def admit_and_create() -> PoolMemory | tuple[wire.Code, str]:
-            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
-            decision = decide(
-                pool.name,
-                f"{pool.backend} ({cap.where})",
-                pool.layout.total_bytes,
-                cap.bytes,
-                headroom=mem.headroom_bytes,
-                cap=mem.budget_bytes or None,
-                held=held,
-            )
-            if not decision.ok:
-                code = (
-                    wire.Code.OUT_OF_BLOCKS
-                    if decision.limit == "free"
-                    else wire.Code.QUOTA_EXCEEDED
-                )
-                return code, decision.message
-            try:
-                return self._create_pool(pool)
-            except KvdError as exc:  # the backend's own refusal (e.g. a GPU short of memory)
-                return wire.Code.OUT_OF_BLOCKS, str(exc)
-
-        # Not cancellable: the memory must be recorded (and freed at exit) once made.
-        made = await anyio.to_thread.run_sync(admit_and_create)
-        if isinstance(made, tuple):
+        # Not cancellable: memory once made must be served (and freed at exit).
+        made = await anyio.to_thread.run_sync(self.pools.create_runtime, pool)
+        if isinstance(made, PoolRefusal):
+            with self._lock:
+                self.pools.abandon(pool.name)
             return made
-        self._memories.append(made)
-        runtime = PoolRuntime(pool, self._engine(pool), made)
         if self._publisher is not None:
             self._channels[pool.name] = self._channel(self._publisher, pool)
-        with self._lock:  # the dispatcher's pools are this very dict
-            self._pools[pool.name] = runtime
-            self.dispatcher.add_pool(runtime)
+        with self._lock:
+            self.pools.add(made)
         log.info(
             "pool_created",
             pool=pool.name,
             backend=pool.backend,
             blocks=pool.num_blocks,
-            bytes=made.size,
+            bytes=made.memory.size,
             startup_ms=round((time.perf_counter() - t0) * 1e3, 1),
-            runtime_pools=len(self.dispatcher.runtime),
+            runtime_pools=self.pools.runtime_count,
         )
         return None
 
     async def _maintain(self) -> None:
         dispatcher = self.dispatcher
         assert dispatcher is not None
-        sessions = dispatcher.sessions
+        sessions = dispatcher.state.sessions
+        handshake = dispatcher.handshake
         period = self.config.server.pid_watch_ms / 1e3
         while True:
             await anyio.sleep(period)
             with self._lock:
                 for session in sessions.sweep_pids():
-                    dispatcher.close_session(session, "pid_exited")
+                    handshake.close(session, "pid_exited")
                 for session in sessions.expired():
-                    dispatcher.close_session(session, "lease_expired")
-                dispatcher.release_quarantined()
-                notices = dispatcher.pressure_notices()
+                    handshake.close(session, "lease_expired")
+                handshake.release_quarantined()
+                notices = dispatcher.info.pressure_notices()
             for identity, frames in notices:
                 self._send(identity, frames)
 
@@ -670,14 +578,14 @@ class Daemon:
         notifier.reloading()
         try:
             fresh = self._reload()
-        except KvdError as exc:
+        except DaemonError as exc:
             log.error("reload_failed", error=str(exc), note="still serving with the old config")
         else:
             assert self.dispatcher is not None
             if fresh.log != self.config.log and self._on_log_config is not None:
                 self._on_log_config(fresh)
             with self._lock:
-                report = self.dispatcher.reload(fresh)
+                report = reload_config(self.dispatcher.state, fresh)
             self.config = report.config
             log.info(
                 "reloaded",
@@ -692,7 +600,7 @@ class Daemon:
         dispatcher = self.dispatcher
         assert dispatcher is not None
         with self._lock:
-            dispatcher.draining = True
+            dispatcher.state.draining = True
         timeout = self.config.server.drain_timeout_s
         notifier.stopping(status="draining")
         log.info("draining", in_flight=self._in_flight(), timeout_s=timeout)
@@ -706,4 +614,4 @@ class Daemon:
     def _in_flight(self) -> int:
         assert self.dispatcher is not None
         with self._lock:
-            return self.dispatcher.in_flight()
+            return self.dispatcher.info.in_flight()

@@ -2,9 +2,9 @@
 
 The socket file's mode decides who can connect at all (``server.socket_mode``,
 0660 in a 0770 directory). Within that, these pieces decide what a
-connection may do; each answers a `Denial` value (code + message) or None,
-and changes nothing itself, so the dispatcher can refuse a request before
-any state moves:
+connection may do; each answers the `RequestError` to raise (code +
+message) or None, and changes nothing itself, so the dispatcher can refuse
+a request before any state moves:
 
 - `NamespacePolicy`: a session's namespace is bound to its identity. On
   ``ipc://`` the identity is the peer's kernel credentials (uid, primary
@@ -51,13 +51,12 @@ import zmq.auth
 from kvd_client import wire
 from zmq.utils import z85
 
-from kvd.errors import ConfigError, StartupError
+from kvd.errors import ConfigError, RequestError, StartupError
 from kvd.server.sessions import PeerCred, parse_peer_address
 
 __all__ = [
     "ZAP_ENDPOINT",
     "CurveKeys",
-    "Denial",
     "DirCheck",
     "NamespacePolicy",
     "Principal",
@@ -74,14 +73,6 @@ __all__ = [
 #: Where libzmq sends ZAP requests (one handler per context).
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
 _ZAP_VERSION: Final = b"1.0"
-
-
-@dataclass(frozen=True, slots=True)
-class Denial:
-    """Why a request is refused: the reply's code and message."""
-
-    code: wire.Code
-    message: str
 
 
 # --------------------------------------------------------------------------
@@ -212,7 +203,7 @@ class NamespacePolicy:
         admin_keys = frozenset(_resolve_key(a, f"{key}.admins") for a in admins)
         return cls(resolved, enforce, admin_keys)
 
-    def check_namespace(self, principal: Principal, namespace: str) -> Denial | None:
+    def check_namespace(self, principal: Principal, namespace: str) -> RequestError | None:
         """None when ``principal`` may open a session in ``namespace``, else FORBIDDEN."""
         if not self.enforce:
             return None
@@ -220,19 +211,19 @@ class NamespacePolicy:
             for pattern in self.rules.get(key, ()):
                 if _matches(pattern, namespace):
                     return None
-        return Denial(
+        return RequestError(
             wire.Code.FORBIDDEN,
             f"namespace {namespace!r} is not allowed for {principal} "
             "(see the daemon's security.namespaces)",
         )
 
-    def check_admin(self, principal: Principal, kind: wire.Kind) -> Denial | None:
+    def check_admin(self, principal: Principal, kind: wire.Kind) -> RequestError | None:
         """None when ``principal`` may send admin request ``kind``, else FORBIDDEN."""
         if not self.admins or kind == wire.Kind.PING:
             return None
         if self.admins.intersection(principal.names()):
             return None
-        return Denial(
+        return RequestError(
             wire.Code.FORBIDDEN,
             f"{kind.name} is for operators; {principal} is not in security.admins",
         )
@@ -277,12 +268,12 @@ class RateLimiter:
         bucket[0] = tokens - 1.0
         return True
 
-    def check(self, key: Hashable, now: float) -> Denial | None:
-        """`allow` as a `Denial` (RATE_LIMITED) with the time to wait."""
+    def check(self, key: Hashable, now: float) -> RequestError | None:
+        """`allow` as a `RequestError` (RATE_LIMITED) with the time to wait."""
         if self.allow(key, now):
             return None
         wait_ms = (1.0 - self._buckets[key][0]) / self.rate * 1e3
-        return Denial(
+        return RequestError(
             wire.Code.RATE_LIMITED,
             f"more than {self.rate:g} requests/s (burst {self.burst:g}); retry in {wait_ms:.0f} ms",
         )
@@ -301,25 +292,25 @@ class RequestLimits:
     #: Sequences one session may hold at once.
     max_sequences: int = 0
 
-    def check_request(self, req: wire.Request) -> Denial | None:
+    def check_request(self, req: wire.Request) -> RequestError | None:
         """TOO_LARGE when ``req`` carries or reserves more tokens than allowed."""
         limit = self.max_tokens
         if not limit:
             return None
         tokens = getattr(req, "tokens", None)
         if tokens is not None and not isinstance(tokens, int) and len(tokens) > limit:
-            return Denial(
+            return RequestError(
                 wire.Code.TOO_LARGE, f"{len(tokens)} tokens in one request (limit {limit})"
             )
         reserve = getattr(req, "reserve", None)
         if reserve is not None and reserve > limit:
-            return Denial(wire.Code.TOO_LARGE, f"reserve of {reserve} tokens (limit {limit})")
+            return RequestError(wire.Code.TOO_LARGE, f"reserve of {reserve} tokens (limit {limit})")
         return None
 
-    def check_sequences(self, held: int) -> Denial | None:
+    def check_sequences(self, held: int) -> RequestError | None:
         """TOO_LARGE when a session holding ``held`` sequences may not create another."""
         if self.max_sequences and held >= self.max_sequences:
-            return Denial(
+            return RequestError(
                 wire.Code.TOO_LARGE,
                 f"the session holds {held} sequences (limit {self.max_sequences}); free some",
             )

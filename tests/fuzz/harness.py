@@ -31,7 +31,8 @@ from kvd.config import load_config
 from kvd.engine import Engine, EngineConfig
 from kvd.engine.errors import InvariantError
 from kvd.memory.shm import ShmPool
-from kvd.server.handlers import Dispatcher, PoolRuntime
+from kvd.server.dispatch import Dispatcher
+from kvd.server.pools import Pools, ServedPool
 from kvd.server.sessions import PeerCred, SessionTable
 
 BS = 16
@@ -113,9 +114,11 @@ class Target:
             )
         )
         self.sessions = SessionTable(5.0, clock=lambda: 1000.0, watch_pids=False)
+        pools = Pools(self.config, instance="fuzz")
+        pools.add(ServedPool(pc, self.engine, self.memory))
         self.dispatcher = Dispatcher(
             self.config,
-            {pc.name: PoolRuntime(pc, self.engine, self.memory)},
+            pools,
             self.sessions,
             epoch=7,
             addresses=["ipc:///fuzz.sock"],

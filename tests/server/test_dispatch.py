@@ -1,4 +1,4 @@
-"""kvd.server.handlers: every request kind against a real engine and a real shm pool."""
+"""kvd.server.dispatch: every request kind against a real engine and a real shm pool."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from kvd_client import wire
 from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
 from kvd.memory.shm import ShmPool
-from kvd.server.handlers import Dispatcher, PoolRuntime
+from kvd.server.dispatch import Dispatcher
+from kvd.server.pools import Pools, ServedPool
+from kvd.server.reload import reload_config
 from kvd.server.sessions import PeerCred, SessionTable
 
 BS = 16
@@ -45,7 +47,7 @@ class Harness:
 
     def __init__(self, config: Config, events: list[tuple[str, list[Any]]] | None = None):
         self.instance = f"test{uuid.uuid4().hex[:10]}"
-        self.pools: dict[str, PoolRuntime] = {}
+        self.pools = Pools(config, instance=self.instance)
         for pc in config.pools:
             memory = ShmPool.create(pc.name, pc.layout, instance=self.instance, prefault=False)
             engine = Engine(
@@ -57,7 +59,7 @@ class Harness:
                     events=events is not None,
                 )
             )
-            self.pools[pc.name] = PoolRuntime(pc, engine, memory)
+            self.pools.add(ServedPool(pc, engine, memory))
         self.clock = Clock()
         self.observed: list[tuple[str, float]] = []
         self.d = Dispatcher(
@@ -75,8 +77,7 @@ class Harness:
         self._ids = iter(range(1, 1 << 30))
 
     def close(self) -> None:
-        for pool in self.pools.values():
-            pool.memory.close()
+        self.pools.close()
 
     def send(self, frames: list[bytes], who: bytes = b"A", peer: PeerCred | None = None) -> Any:
         return wire.decode_reply(self.d.handle(who, frames, peer))
@@ -102,7 +103,7 @@ class Harness:
         return reply
 
     def state(self) -> dict[str, Any]:
-        s = self.d.stats()
+        s = self.d.info.stats()
         return {"blocks": s["blocks"], "pools": s["pools"], "sessions": s["clients"]["sessions"]}
 
 
@@ -168,7 +169,7 @@ def test_bad_hello_is_refused_and_opens_nothing(
     reply = h.hello(**fields)
     assert isinstance(reply, wire.ErrorReply)
     assert reply.code == code
-    assert len(h.d.sessions) == 0
+    assert len(h.d.state.sessions) == 0
 
 
 def test_hello_with_other_layout_names_the_difference(h: Harness) -> None:
@@ -197,7 +198,7 @@ def test_second_hello_replaces_the_session_and_frees_its_sequences(h: Harness) -
     h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
     h.hello()
     assert h.state()["blocks"]["default"]["in_use"] == 0
-    assert len(h.d.sessions) == 1
+    assert len(h.d.state.sessions) == 1
     assert h.err(wire.Free(id=2, seq="s")).code == wire.Code.NOT_FOUND
 
 
@@ -214,19 +215,19 @@ def test_heartbeat_renews_the_lease(h: Harness) -> None:
     h.clock.now += 4.0
     h.ok(wire.Heartbeat(id=1))
     h.clock.now += 4.0
-    assert h.d.sessions.expired() == []
+    assert h.d.state.sessions.expired() == []
 
 
 def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harness) -> None:
     h.hello(b"A")
     h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
     h.ok(wire.Commit(id=2, seq="s"), b"A")
-    session = h.d.sessions.peek(b"A")
+    session = h.d.state.sessions.peek(b"A")
     assert session is not None
-    h.d.close_session(session, "test")
+    h.d.handshake.close(session, "test")
     blocks = h.state()["blocks"]["default"]
     assert (blocks["in_use"], blocks["evictable"]) == (0, 2)
-    assert h.d.stats()["clients"]["closed"] == {"test": 1}
+    assert h.d.info.stats()["clients"]["closed"] == {"test": 1}
 
 
 def test_hello_records_peer_credentials(h: Harness) -> None:
@@ -237,7 +238,7 @@ def test_hello_records_peer_credentials(h: Harness) -> None:
         peer,
     )
     assert isinstance(reply, wire.OkReply)
-    session = h.d.sessions.peek(b"A")
+    session = h.d.state.sessions.peek(b"A")
     assert session is not None
     assert (session.pid, session.watched_pid) == (99, os.getpid())
 
@@ -303,7 +304,7 @@ def test_out_of_blocks_changes_nothing(h: Harness) -> None:
     e = h.err(wire.Allocate(id=2, seq="t", tokens=toks(7 * BS)))
     assert (e.id, e.code) == (2, wire.Code.OUT_OF_BLOCKS)
     assert h.state() == before
-    assert h.d.stats()["admission"]["refusals"]["OUT_OF_BLOCKS"] == 1
+    assert h.d.info.stats()["admission"]["refusals"]["OUT_OF_BLOCKS"] == 1
 
 
 def test_quota_exceeded_per_session() -> None:
@@ -336,7 +337,7 @@ def test_engine_errors_carry_their_code_and_change_nothing(
     e = h.err(req)
     assert (e.id, e.code) == (1, code)
     assert h.state() == before
-    assert h.d.stats()["rpc"]["errors"] == {str(code): 1}
+    assert h.d.info.stats()["rpc"]["errors"] == {str(code): 1}
 
 
 def test_another_sessions_sequence_is_not_found(h: Harness) -> None:
@@ -393,7 +394,7 @@ def test_batch_runs_in_order_with_one_result_each(h: Harness) -> None:
     assert results[2]["r"]["length"] == 24
     assert results[3]["code"] == wire.Code.OUT_OF_BLOCKS
     assert results[4]["r"] == {"committed": 24, "cached_blocks": 1}
-    rpc = h.d.stats()["rpc"]
+    rpc = h.d.info.stats()["rpc"]
     assert rpc["errors"] == {"NOT_FOUND": 1, "OUT_OF_BLOCKS": 1}
     assert rpc["ops"] >= 5
 
@@ -473,15 +474,15 @@ def test_message_above_the_limit_is_too_large(h: Harness) -> None:
 def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness) -> None:
     h.hello()
     h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20), reserve=40))
-    h.d.draining = True
+    h.d.state.draining = True
     assert h.err(wire.Allocate(id=2, seq="t", tokens=toks(4))).code == wire.Code.SHUTTING_DOWN
     assert h.err(wire.Fork(id=3, seq="s", child="c")).code == wire.Code.SHUTTING_DOWN
     assert h.hello(b"B").code == wire.Code.SHUTTING_DOWN
     assert h.ok(wire.Append(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
     assert h.ok(wire.Commit(id=5, seq="s"))["committed"] == 24
-    assert h.d.in_flight() == 1
+    assert h.d.info.in_flight() == 1
     assert h.ok(wire.Free(id=6, seq="s")) == {}
-    assert h.d.in_flight() == 0
+    assert h.d.info.in_flight() == 0
     assert h.ok(wire.Ping(id=7))["epoch"] == 12345
 
 
@@ -543,7 +544,7 @@ def test_two_pools_sessions_pick_by_name(tmp_path: Any) -> None:
         assert rb.result["layout"]["block_size"] == 32
         assert ra.result["memory"]["path"] != rb.result["memory"]["path"]
         harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(64)), b"B")
-        blocks = harness.d.stats()["blocks"]
+        blocks = harness.d.info.stats()["blocks"]
         assert (blocks["a"]["in_use"], blocks["b"]["in_use"]) == (0, 2)
     finally:
         harness.close()
@@ -575,9 +576,9 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
     try:
         harness.hello(b"A")
         harness.hello(b"B")
-        assert harness.d.pressure_notices() == []
+        assert harness.d.info.pressure_notices() == []
         harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
-        notices = harness.d.pressure_notices()
+        notices = harness.d.info.pressure_notices()
         assert sorted(who for who, _ in notices) == [b"A", b"B"]
         notice = wire.decode_reply(notices[0][1])
         assert isinstance(notice, wire.Notice)
@@ -588,9 +589,9 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
             "level": 2,
             "thresholds": [0.5, 0.75],
         }
-        assert harness.d.pressure_notices() == []  # no crossing, no notice
+        assert harness.d.info.pressure_notices() == []  # no crossing, no notice
         harness.ok(wire.Free(id=2, seq="s"), b"A")
-        (_, frames), _ = harness.d.pressure_notices()
+        (_, frames), _ = harness.d.info.pressure_notices()
         down = wire.decode_reply(frames)
         assert isinstance(down, wire.Notice)
         assert down.data["level"] == 0
@@ -603,21 +604,21 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
 
 
 def _expire(h: Harness, reason: str = "lease_expired") -> None:
-    for session in h.d.sessions:
-        h.d.close_session(session, reason)
+    for session in h.d.state.sessions:
+        h.d.handshake.close(session, reason)
 
 
 def test_a_lease_expiry_without_a_pid_quarantines_the_sessions_blocks(h: Harness) -> None:
     h.hello()
     h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
-    h.clock.now += h.d.sessions.lease_s * 2
+    h.clock.now += h.d.state.sessions.lease_s * 2
     _expire(h)
     assert h.err(wire.Commit(id=h.nid(), seq="s")).code == wire.Code.SESSION_LOST
-    assert h.d.stats()["blocks"]["default"]["in_use"] == 3  # still out of circulation
-    assert (h.d.in_flight(), h.d.release_quarantined()) == (0, 0)
-    h.clock.now += h.d.sessions.lease_s * h.d.config.server.quarantine_leases
-    assert h.d.release_quarantined() == 1
-    assert h.d.stats()["blocks"]["default"]["in_use"] == 0
+    assert h.d.info.stats()["blocks"]["default"]["in_use"] == 3  # still out of circulation
+    assert (h.d.info.in_flight(), h.d.handshake.release_quarantined()) == (0, 0)
+    h.clock.now += h.d.state.sessions.lease_s * h.d.state.config.server.quarantine_leases
+    assert h.d.handshake.release_quarantined() == 1
+    assert h.d.info.stats()["blocks"]["default"]["in_use"] == 0
     assert h.ok(wire.Check(id=h.nid()))["ok"] is True
 
 
@@ -630,8 +631,8 @@ def test_other_closes_free_the_blocks_at_once(reason: str, leases: str) -> None:
         h.hello()
         h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
         _expire(h, reason)
-        assert h.d.quarantined == []
-        assert h.d.stats()["blocks"]["default"]["in_use"] == 0
+        assert h.d.state.quarantined == []
+        assert h.d.info.stats()["blocks"]["default"]["in_use"] == 0
     finally:
         h.close()
 
@@ -648,7 +649,7 @@ def test_a_forbidden_namespace_opens_nothing() -> None:
         ).encode()
         reply = h.send(hello, peer=PeerCred(uid=8, gid=8, pid=1))
         assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.FORBIDDEN
-        assert len(h.d.sessions) == 0
+        assert len(h.d.state.sessions) == 0
         ok = h.send(hello, peer=PeerCred(uid=7, gid=8, pid=1))
         assert isinstance(ok, wire.OkReply)
     finally:
@@ -678,6 +679,6 @@ def test_a_queued_message_at_exit_gets_shutting_down_with_its_id(h: Harness) -> 
 
 def test_a_reload_reports_security_changes_as_needing_a_restart(h: Harness) -> None:
     fresh = _config(**{"security.rate_limit": "5"})
-    report = h.d.reload(fresh)
+    report = reload_config(h.d.state, fresh)
     assert "security" in report.needs_restart
-    assert h.d.config.security.rate_limit == 0.0 and h.d.limiter is None
+    assert h.d.state.config.security.rate_limit == 0.0 and h.d.limiter is None

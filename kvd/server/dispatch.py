@@ -1,0 +1,323 @@
+"""Requests in, replies out: decode, dispatch by kind, call the handler, encode.
+
+`Dispatcher.handle` takes one client message (frames after the routing id)
+and returns the reply frames; it never raises. Decoding is the wire
+contract's typed decoders (`kvd_client.wire.decode_request`): no pickle,
+no method names on the wire; each kind maps to one handler in a table
+built at start.
+
+Outcomes and their replies:
+
+- `ProtocolError` (malformed frames, wrong types, sizes): its code, with
+  the request id when one could be read.
+- `RequestError` (a handler's or the policy's refusal) and the engine's
+  `EngineError` (unknown sequence, duplicate id, bad argument): their code;
+  both are raised before anything changes.
+- `Refusal` (OUT_OF_BLOCKS, QUOTA_EXCEEDED): its code, nothing changed.
+- Anything else is a daemon bug: INTERNAL, logged with its traceback. The
+  handlers check before they mutate, so no rollback is attempted here.
+
+Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session:
+the socket file's mode is the access control, and with ``security.admins``
+set, kinds other than PING need an admin principal (FORBIDDEN). Every
+other kind but HELLO needs a session opened by HELLO on the same
+connection, else SESSION_LOST. A session's rate beyond ``security.rate_limit``
+is RATE_LIMITED (one shared bucket without a session).
+
+Engine calls are microseconds and run inline in the daemon's request
+thread, one at a time. The one blocking step a request can need, creating
+a runtime pool, is not run here: the hello's handler answers a
+`PendingHello`, `handle` returns no frames, and the daemon creates the
+pool off the request thread and asks `finish_hello` for the reply.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
+
+import structlog
+from kvd_client import wire
+
+from kvd.config import Config
+from kvd.engine import EngineError, Refusal
+from kvd.errors import RequestError
+from kvd.server.context import Call, Outcome, ServerState, SessionCall
+from kvd.server.handshake import Handshake, PendingHello
+from kvd.server.info import Info
+from kvd.server.pools import PoolRefusal, Pools
+from kvd.server.security import NamespacePolicy, RateLimiter, RequestLimits
+from kvd.server.sequences import SequenceHandlers
+from kvd.server.sessions import PeerCred, SessionTable
+
+__all__ = ["DRAIN_REFUSED", "Dispatcher"]
+
+log = structlog.get_logger("kvd.server")
+
+#: Kinds refused with SHUTTING_DOWN while draining: they start new work.
+#: Running sequences may still append, commit, truncate, free and unpin.
+DRAIN_REFUSED: Final = frozenset(
+    {wire.Kind.HELLO, wire.Kind.ALLOCATE, wire.Kind.FORK, wire.Kind.PIN, wire.Kind.FLUSH}
+)
+
+#: Kind names for stats, looked up once (Enum.name is a descriptor call).
+_KIND_NAMES: Final = {kind: kind.name for kind in wire.Kind}
+# Plain ints: an enum member's attribute lookup costs more than the dict lookup it feeds.
+_HELLO: Final = int(wire.Kind.HELLO)
+_BATCH: Final = int(wire.Kind.BATCH)
+#: Extra frames of a result without token fields (never appended to).
+_NO_FRAMES: Final[list[bytes]] = []
+
+C = TypeVar("C", Call, SessionCall)
+R = TypeVar("R")
+_SessionHandler = Callable[[Any, SessionCall], Outcome]
+_OpenHandler = Callable[[Any, Call], Outcome | PendingHello]
+
+
+class Dispatcher:
+    """The daemon's request handling, independent of sockets and the event loop.
+
+    ``on_events`` receives each pool's engine events after every request
+    (None: the engines keep none); ``observe(kind, seconds)`` is told each
+    request's service time (the metrics histogram).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        pools: Pools,
+        sessions: SessionTable,
+        *,
+        epoch: int,
+        addresses: Sequence[str],
+        on_events: Callable[[str, list[Any]], None] | None = None,
+        observe: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state = ServerState(config, pools, sessions, epoch, list(addresses), clock)
+        self.on_events = on_events
+        self.observe = observe
+        sec = config.security
+        self.policy = NamespacePolicy.from_config(
+            sec.namespaces, enforce=sec.enforce_namespaces, admins=sec.admins
+        )
+        self.limiter = RateLimiter(sec.rate_limit, sec.rate_burst) if sec.rate_limit else None
+        publish = self._publish_events if on_events is not None else None
+        self.handshake = Handshake(self.state, self.policy, self.limiter, publish)
+        self.info = Info(self.state)
+        self._pending: list[PendingHello] = []
+        seq = SequenceHandlers(
+            RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
+        )
+        self._session_table: dict[int, _SessionHandler] = {
+            wire.Kind.HEARTBEAT: self.handshake.heartbeat,
+            wire.Kind.GOODBYE: self.handshake.goodbye,
+            wire.Kind.ALLOCATE: seq.allocate,
+            wire.Kind.COMMIT: seq.commit,
+            wire.Kind.APPEND: seq.append,
+            wire.Kind.FORK: seq.fork,
+            wire.Kind.TRUNCATE: seq.truncate,
+            wire.Kind.FREE: seq.free,
+            wire.Kind.PIN: seq.pin,
+            wire.Kind.UNPIN: seq.unpin,
+            wire.Kind.CAN_ALLOCATE: seq.can_allocate,
+            wire.Kind.BATCH: self._batch,
+        }
+        self._open_table: dict[int, _OpenHandler] = {
+            wire.Kind.HELLO: self.handshake.hello,
+            wire.Kind.STATS: self.info.stats_request,
+            wire.Kind.CHECK: self.info.check,
+            wire.Kind.FLUSH: self.info.flush,
+            wire.Kind.CLIENTS: self.info.clients,
+            wire.Kind.POOLS: self.info.pools,
+            wire.Kind.PING: self.info.ping,
+        }
+        missing = set(wire.REQUESTS) - set(self._session_table) - set(self._open_table)
+        if missing:  # a new request kind in the contract needs its handler
+            raise AssertionError(f"no handler for kinds {sorted(missing)}")
+
+    # ------------------------------------------------------------------
+    # Entry point
+
+    def handle(
+        self,
+        identity: bytes,
+        frames: Sequence[bytes],
+        peer: PeerCred | None = None,
+        user_id: str | None = None,
+    ) -> list[bytes]:
+        """The reply frames (without routing id) for one message; never raises.
+
+        ``peer``: the ipc connection's kernel credentials; ``user_id``: the
+        tcp client's CURVE key (z85). Both only matter for HELLO and admin
+        kinds. No frames: a hello waits for its pool to be created
+        (`take_pending`, then `finish_hello`).
+        """
+        t0 = time.perf_counter_ns()
+        kind, ops, reply = self._reply(identity, frames, peer, user_id)
+        if reply:
+            self._record(kind, ops, time.perf_counter_ns() - t0)
+        return reply
+
+    def _record(self, kind: str, ops: int, elapsed_ns: int) -> None:
+        self.state.rpc.record(kind, elapsed_ns, ops)
+        if self.observe is not None:
+            self.observe(kind.lower(), elapsed_ns / 1e9)
+
+    def _reply(
+        self,
+        identity: bytes,
+        frames: Sequence[bytes],
+        peer: PeerCred | None,
+        user_id: str | None,
+    ) -> tuple[str, int, list[bytes]]:
+        """(kind name for stats, operations carried, reply frames)."""
+        try:
+            if len(frames) > 2 and sum(map(len, frames)) > wire.MAX_MESSAGE_BYTES:
+                raise wire.ProtocolError(
+                    wire.Code.TOO_LARGE, f"message larger than {wire.MAX_MESSAGE_BYTES} bytes"
+                )
+            req = wire.decode_request(frames)
+        except wire.ProtocolError as exc:
+            return "INVALID", 1, self._error(exc.req_id, exc.code, exc.message)
+        req_id: int = req.id  # type: ignore[attr-defined]
+        kind = req.KIND
+        name = _KIND_NAMES[kind]
+        ops = len(req.ops) if kind == _BATCH else 1  # type: ignore[attr-defined]
+        state = self.state
+        try:
+            if req.ADMIN or kind == _HELLO:
+                self._limit(None)
+                call = Call(identity, peer, frames[2:], user_id)
+                if req.ADMIN and self.policy.admins:
+                    refusal = self.policy.check_admin(call.principal, kind)
+                    if refusal is not None:
+                        raise refusal
+                outcome = self._run_open(req, call)
+                if isinstance(outcome, PendingHello):
+                    self._pending.append(outcome)
+                    return name, ops, []
+            else:
+                session = state.sessions.lookup(identity)
+                if session is None:
+                    raise RequestError(
+                        wire.Code.SESSION_LOST,
+                        "no session for this connection (daemon restarted, lease expired, "
+                        "or no hello); old sequences are gone: send hello again",
+                    )
+                self._limit(session.id)
+                engine = state.pools[session.pool].engine
+                outcome = self._run(req, SessionCall(identity, frames[2:], session, engine))
+        except RequestError as exc:
+            return name, ops, self._error(req_id, exc.code, exc.message)
+        if isinstance(outcome, Refusal):
+            return name, ops, self._error(req_id, wire.Code(outcome.code), outcome.message)
+        return name, ops, wire.encode_ok(req_id, outcome)
+
+    def _limit(self, session_id: int | None) -> None:
+        """RATE_LIMITED beyond the session's rate (one shared bucket without a session)."""
+        if self.limiter is not None:
+            refusal = self.limiter.check(session_id, self.state.clock())
+            if refusal is not None:
+                raise refusal
+
+    def _run(self, req: wire.Request, call: SessionCall) -> Outcome:
+        """One session request (or batch op) through its handler; errors become RequestError."""
+        return self._guard(req, self._session_table[req.KIND], call)
+
+    def _run_open(self, req: wire.Request, call: Call) -> Outcome | PendingHello:
+        """A hello or an admin request through its handler."""
+        return self._guard(req, self._open_table[req.KIND], call)
+
+    def _guard(self, req: wire.Request, handler: Callable[[Any, C], R], call: C) -> R:
+        if self.state.draining and req.KIND in DRAIN_REFUSED:
+            raise RequestError(wire.Code.SHUTTING_DOWN, "the daemon is shutting down")
+        try:
+            return handler(req, call)
+        except (RequestError, wire.ProtocolError):
+            raise
+        except EngineError as exc:
+            raise RequestError(wire.Code(str(exc.code)), exc.message) from None
+        except Exception:
+            log.exception("internal_error", kind=req.KIND.name)
+            raise RequestError(
+                wire.Code.INTERNAL, "internal error (logged by the daemon); nothing was changed"
+            ) from None
+        finally:
+            if self.on_events is not None:
+                self._publish_events()
+
+    def _batch(self, req: wire.Batch, call: SessionCall) -> Outcome:
+        if len(req.ops) > wire.MAX_BATCH_OPS:
+            raise RequestError(wire.Code.TOO_LARGE, f"more than {wire.MAX_BATCH_OPS} operations")
+        # The batch's token frame is decoded once; each op takes a slice of it.
+        call.extras = wire.TokenFrames(call.extras)
+        op_result = self._batch_op
+        return wire.BatchResult(results=[op_result(op, call) for op in req.ops])
+
+    def _batch_op(self, op: Any, call: SessionCall) -> dict[str, Any]:
+        """One operation's `wire.OpResult` map (built directly: same keys, same order)."""
+        try:
+            sub = wire.decode_batch_op(op, call.extras)
+            outcome = self._run(sub, call)
+        except (wire.ProtocolError, RequestError) as exc:
+            self.state.rpc.error(exc.code)
+            return {"ok": False, "code": str(exc.code), "msg": exc.message}
+        if isinstance(outcome, Refusal):
+            self.state.rpc.error(str(outcome.code))
+            return {"ok": False, "code": str(outcome.code), "msg": outcome.message}
+        # Results carry no token fields: nothing goes to extra frames.
+        if isinstance(outcome, dict):
+            return {"ok": True, "r": outcome}
+        return {"ok": True, "r": outcome.to_map(_NO_FRAMES)}
+
+    def _error(self, req_id: int | None, code: wire.Code, message: str) -> list[bytes]:
+        self.state.rpc.error(code)
+        return wire.encode_error(req_id, code, message)
+
+    def _publish_events(self) -> None:
+        assert self.on_events is not None
+        for pool in self.state.pools:
+            events = pool.engine.drain_events()
+            if events:
+                self.on_events(pool.name, events)
+
+    # ------------------------------------------------------------------
+    # Hellos waiting for a runtime pool
+
+    def take_pending(self) -> list[PendingHello]:
+        """The hellos deferred since the last call, oldest first (the daemon runs them)."""
+        jobs, self._pending = self._pending, []
+        return jobs
+
+    def finish_hello(self, job: PendingHello, refusal: PoolRefusal | None) -> list[bytes]:
+        """The reply to a deferred hello once its pool exists (or its creation's refusal).
+
+        The hello is not decoded or checked twice: it attaches as any hello
+        to an existing pool does (so a second creator with another layout
+        gets MISMATCH).
+        """
+        t0 = time.perf_counter_ns()
+        req_id = job.req.id
+        if refusal is not None:
+            log.warning(
+                "pool_refused", pool=job.config.name, code=str(refusal.code), reason=refusal.message
+            )
+            reply = self._error(req_id, refusal.code, refusal.message)
+        else:
+            try:
+                result = self._guard(job.req, self.handshake.attach, job.call)
+                reply = wire.encode_ok(req_id, result)
+            except RequestError as exc:
+                reply = self._error(req_id, exc.code, exc.message)
+        self._record(_KIND_NAMES[wire.Kind.HELLO], 1, time.perf_counter_ns() - t0)
+        return reply
+
+    def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
+        """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
+        try:
+            req_id: int | None = getattr(wire.decode_request(frames), "id", None)
+        except wire.ProtocolError as exc:
+            req_id = exc.req_id
+        return self._error(req_id, wire.Code.SHUTTING_DOWN, "the daemon stopped")

@@ -1,0 +1,316 @@
+"""The daemon's pools: one owner that budgets, creates, serves and retires them.
+
+`Pools` holds every pool the daemon serves, configured at start or created
+at runtime by a client's hello, each as a `ServedPool` (config, engine,
+memory). It decides and never encodes a reply: a runtime creation it will
+not make is a `PoolRefusal` value (or, for a malformed ask, `RequestError`
+raised before anything is recorded), and the dispatcher answers.
+
+Creating memory blocks (it is reserved and prefaulted), so `create` and
+`create_runtime` run in a worker thread, one at a time, without the
+request lock; `add` serves the result and is called under it. Every other
+method is called under the request lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvd_client import wire
+
+from kvd.config import AdmissionConfig, Config, PoolConfig
+from kvd.engine import Engine, EngineConfig
+from kvd.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    DaemonError,
+    NoSuchDeviceError,
+    RequestError,
+    StartupError,
+)
+from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memory
+from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
+
+__all__ = ["PoolRefusal", "Pools", "ServedPool"]
+
+
+@dataclass(slots=True)
+class ServedPool:
+    """One pool as the daemon serves it: its config, engine and memory."""
+
+    config: PoolConfig
+    engine: Engine
+    memory: PoolMemory
+    #: Created by a client's hello (not in the config file).
+    runtime: bool = False
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        return self.config.name
+
+    @property
+    def layout(self) -> wire.PoolLayout:
+        """The pool's layout."""
+        return self.memory.layout
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRefusal:
+    """Why a runtime pool was not created: the reply's code and message. Nothing changed."""
+
+    code: wire.Code
+    message: str
+
+
+class Pools:
+    """Every pool of one daemon instance, by name (iterating yields the served pools)."""
+
+    def __init__(self, config: Config, *, instance: str) -> None:
+        self.config = config
+        self.instance = instance
+        self._pools: dict[str, ServedPool] = {}
+        #: Runtime pools asked for and not yet created or refused (counted against the cap).
+        self._creating: set[str] = set()
+
+    # ------------------------------------------------------------------
+    # Lookup
+
+    def __iter__(self) -> Iterator[ServedPool]:
+        return iter(self._pools.values())
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pools
+
+    def __getitem__(self, name: str) -> ServedPool:
+        return self._pools[name]
+
+    def get(self, name: str) -> ServedPool | None:
+        """The pool called ``name``, or None."""
+        return self._pools.get(name)
+
+    def names(self) -> list[str]:
+        """The served pools' names, in the order they were added."""
+        return list(self._pools)
+
+    @property
+    def runtime_count(self) -> int:
+        """Pools created at runtime."""
+        return sum(p.runtime for p in self._pools.values())
+
+    # ------------------------------------------------------------------
+    # Configured pools (start-up)
+
+    def check_budget(self) -> None:
+        """Refuse the configured pool set before allocating any of it (StartupError)."""
+        mem = self.config.memory
+        budget = MemoryBudget(headroom_bytes=mem.headroom_bytes, cap_bytes=mem.budget_bytes or None)
+        free: dict[str, int] = {}
+        requests = []
+        for pool in self.config.pools:
+            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
+            place = f"{pool.backend} ({cap.where})"
+            free[place] = cap.bytes
+            requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
+        refused = [d.message for d in budget.plan(requests, free) if not d.ok]
+        if refused:
+            raise StartupError("; ".join(refused))
+
+    def create(self, pool: PoolConfig, *, runtime: bool = False) -> ServedPool:
+        """Make ``pool``'s memory and engine (blocking; DaemonError from the backend)."""
+        mem = self.config.memory
+        memory = create_pool_memory(
+            pool.backend,
+            pool.name,
+            pool.layout,
+            instance=self.instance,
+            shm_dir=mem.shm_dir,
+            prefault=pool.prefault,
+            hugepages=pool.hugepages,
+            device=pool.device,
+            headroom_bytes=mem.headroom_bytes,
+        )
+        return ServedPool(pool, self._engine(pool), memory, runtime=runtime)
+
+    def _engine(self, pool: PoolConfig) -> Engine:
+        adm = self.config.admission
+        engine = Engine(
+            EngineConfig(
+                num_blocks=pool.num_blocks,
+                block_size=pool.block_size,
+                hash_seed=self.config.cache.hash_seed,
+                watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
+                events=self.config.events.enabled,
+                eviction=self.config.cache.eviction,
+            )
+        )
+        for ns, limits in adm.namespaces.items():
+            engine.set_namespace_limits(
+                ns, quota=limits.quota_blocks or None, minimum=limits.minimum_blocks
+            )
+        return engine
+
+    def add(self, pool: ServedPool) -> None:
+        """Serve ``pool`` (under the request lock)."""
+        self._pools[pool.name] = pool
+        self._creating.discard(pool.name)
+
+    def close(self) -> None:
+        """Release every pool's memory (at exit; idempotent)."""
+        while self._pools:
+            _, pool = self._pools.popitem()
+            pool.memory.close()
+
+    # ------------------------------------------------------------------
+    # Runtime pools
+
+    def ask(self, req: wire.Hello) -> PoolConfig:
+        """Check a hello's request to create pool ``req.pool`` and record it; its config.
+
+        Raises `RequestError` and records nothing: FORBIDDEN when runtime pools
+        are off, INVALID for a bad layout, backend or device, MISMATCH for
+        another hash seed, QUOTA_EXCEEDED above the operator's count or size
+        cap. A second ask for a pool being created joins it (no cap counted
+        twice). The memory itself is judged by `create_runtime`.
+        """
+        mem = self.config.memory
+        if not mem.runtime_pools:
+            raise RequestError(
+                wire.Code.FORBIDDEN,
+                f"no pool {req.pool!r} and runtime pools are disabled (memory.runtime_pools)",
+            )
+        if req.layout is None:
+            raise RequestError(wire.Code.INVALID, "field 'layout' is required to create a pool")
+        layout = parse_layout(req.layout)
+        check_hash_seed(req.hash_seed, self.config.cache.hash_seed)
+        backend = mem.runtime_pool_backend if req.backend is None else req.backend
+        if backend not in BACKENDS:
+            raise RequestError(
+                wire.Code.INVALID, f"field 'backend': {backend!r} is not one of {list(BACKENDS)}"
+            )
+        try:
+            config = PoolConfig(
+                name=req.pool,
+                backend=backend,
+                num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+                block_size=layout.block_size,
+                num_blocks=layout.num_blocks,
+                order=layout.order,
+                device=0 if req.device is None else req.device,
+            )
+        except ConfigError as exc:
+            raise RequestError(wire.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
+        if req.pool in self._creating:
+            return config
+        count = self.runtime_count + len(self._creating)
+        if count >= mem.max_runtime_pools:
+            raise RequestError(
+                wire.Code.QUOTA_EXCEEDED,
+                f"no pool {req.pool!r} and {count} runtime pools exist "
+                f"(memory.max_runtime_pools = {mem.max_runtime_pools})",
+            )
+        cap = mem.runtime_pool_max_bytes
+        if cap and layout.total_bytes > cap:
+            raise RequestError(
+                wire.Code.QUOTA_EXCEEDED,
+                f"pool {req.pool!r} asked {format_bytes(layout.total_bytes)}, "
+                f"runtime pools are capped at {format_bytes(cap)} "
+                f"(memory.runtime_pool_max_bytes)",
+            )
+        self._creating.add(req.pool)
+        return config
+
+    def create_runtime(self, pool: PoolConfig) -> ServedPool | PoolRefusal:
+        """Judge ``pool`` against the memory that is there and the node budget, then make it.
+
+        Blocking (worker thread, one creation at a time). Every failure is a
+        refusal, never an exception: OUT_OF_BLOCKS when the memory place is
+        short, QUOTA_EXCEEDED above the node budget, UNSUPPORTED when the
+        backend cannot run on this host (no CUDA), INVALID for a device that
+        does not exist. The caller passes a refusal to `abandon`.
+        """
+        mem = self.config.memory
+        held = sum(p.layout.total_bytes for p in self._pools.values())
+        try:
+            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
+            decision = decide(
+                pool.name,
+                f"{pool.backend} ({cap.where})",
+                pool.layout.total_bytes,
+                cap.bytes,
+                headroom=mem.headroom_bytes,
+                cap=mem.budget_bytes or None,
+                held=held,
+            )
+            if not decision.ok:
+                code = (
+                    wire.Code.OUT_OF_BLOCKS
+                    if decision.limit == "free"
+                    else wire.Code.QUOTA_EXCEEDED
+                )
+                return PoolRefusal(code, decision.message)
+            return self.create(pool, runtime=True)
+        except DaemonError as exc:
+            return PoolRefusal(_refusal_code(exc), str(exc))
+
+    def abandon(self, name: str) -> None:
+        """Forget the ask for ``name`` after its creation was refused (under the lock)."""
+        self._creating.discard(name)
+
+    # ------------------------------------------------------------------
+    # Reload
+
+    def namespace_problem(self, admission: AdmissionConfig) -> str | None:
+        """Why ``admission``'s namespace quotas cannot apply now (None: they can)."""
+        for pool in self._pools.values():
+            usage = pool.engine.stats().namespaces
+            for ns, limits in admission.namespaces.items():
+                used = usage[ns].usage if ns in usage else 0
+                if limits.quota_blocks and limits.quota_blocks < used:
+                    return (
+                        f"quota {limits.quota_blocks} of namespace {ns!r} is below its usage "
+                        f"of {used} blocks in pool {pool.name!r}"
+                    )
+        return None
+
+    def set_namespace_limits(self, old: AdmissionConfig, new: AdmissionConfig) -> None:
+        """Give every engine ``new``'s namespace limits; namespaces it dropped lose theirs."""
+        for pool in self._pools.values():
+            for ns in old.namespaces.keys() - new.namespaces.keys():
+                pool.engine.set_namespace_limits(ns, quota=None, minimum=0)
+            for ns, limits in new.namespaces.items():
+                pool.engine.set_namespace_limits(
+                    ns, quota=limits.quota_blocks or None, minimum=limits.minimum_blocks
+                )
+
+
+def parse_layout(raw: dict[str, object]) -> wire.PoolLayout:
+    """A hello's ``layout`` map as a `PoolLayout`; INVALID when it is not one."""
+    try:
+        return wire.PoolLayout.from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(wire.Code.INVALID, f"field 'layout': {exc}") from None
+
+
+def check_hash_seed(theirs: str | None, ours: str) -> None:
+    """MISMATCH when a client expects another hash seed than the daemon's."""
+    if theirs is not None and theirs != ours:
+        raise RequestError(
+            wire.Code.MISMATCH, f"hash seed {theirs!r} differs from the daemon's {ours!r}"
+        )
+
+
+def _refusal_code(exc: DaemonError) -> wire.Code:
+    """The reply code of a backend's refusal to create a pool."""
+    if isinstance(exc, BackendUnavailableError):
+        return wire.Code.UNSUPPORTED
+    if isinstance(exc, NoSuchDeviceError):
+        return wire.Code.INVALID
+    return wire.Code.OUT_OF_BLOCKS
