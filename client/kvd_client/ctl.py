@@ -1,8 +1,10 @@
 """kvd-ctl: look at and operate a running kvd daemon.
 
 Commands: ``stats [section ...]`` (Redis INFO style, ``--json``,
-``--watch SECONDS``), ``clients``, ``pools``, ``flush [--namespace NS]``,
-``check``, ``ping``, ``top`` (a live view; ``--once`` prints one frame).
+``--watch SECONDS``), ``clients``, ``pools``, ``config`` (the running
+config, each key marked ``reload`` when a SIGHUP applies it, else
+``restart``), ``flush [--namespace NS]``, ``check``, ``ping``, ``top`` (a
+live view; ``--once`` prints one frame).
 
 Exit codes: 0 ok; 1 an error reply, or ``check`` found violated invariants;
 2 usage; 3 no daemon answers at the address (the message names it).
@@ -233,6 +235,21 @@ def _info(fetch: Callable[[Client], Mapping[str, Any]]) -> Callable[..., int]:
     return run
 
 
+def _config(kv: Client, args: argparse.Namespace, out: TextIO) -> int:
+    section = kv.stats(["config"])["config"]
+    if args.json:
+        out.write(json.dumps(section, default=format_value) + "\n")
+        return EXIT_OK
+    # A key is reloadable when it or the table it belongs to is declared so by the daemon.
+    reloadable = set(section["reloadable"])
+    for key, value in flatten(section["values"]):
+        fate = (
+            "reload" if any(key == r or key.startswith(r + ".") for r in reloadable) else "restart"
+        )
+        out.write(f"{key}:{value}  # {fate}\n")
+    return EXIT_OK
+
+
 def _flush(kv: Client, args: argparse.Namespace, out: TextIO) -> int:
     dropped = kv.flush(args.namespace)
     out.write(json.dumps({"dropped": dropped}) + "\n" if args.json else f"dropped:{dropped}\n")
@@ -278,6 +295,7 @@ _COMMANDS: Final[dict[str, Callable[[Client, argparse.Namespace, TextIO], int]]]
     "stats": _stats,
     "clients": _info(lambda kv: kv.clients()),
     "pools": _info(lambda kv: kv.pools()),
+    "config": _config,
     "flush": _flush,
     "check": _check,
     "ping": _ping,
@@ -308,6 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N reports")
     json_flag(sub.add_parser("clients", help="connected sessions"))
     json_flag(sub.add_parser("pools", help="pools, layouts and usage"))
+    json_flag(sub.add_parser("config", help="the running config; which keys SIGHUP applies"))
     q = sub.add_parser("flush", help="drop every evictable cached block")
     q.add_argument("--namespace", help="only this namespace")
     json_flag(q)

@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvd_client import Client
+from kvd_client import Client, ctl
 from kvd_client.errors import QuotaExceeded
+
+from kvd.config import reload_keys
 
 #: The fixtures' types (tests/conftest.py): a daemon process and its starter.
 KvdProcess = Any
@@ -116,3 +118,18 @@ def test_a_broken_file_keeps_the_running_config(start_kvd: StartKvd, config_file
     with Client.connect(daemon.address) as kv, pytest.raises(QuotaExceeded):
         kv.allocate("over", _tokens(3))
     assert daemon.check()["ok"] is True
+
+
+def test_kvd_ctl_config_marks_what_sighup_applies(
+    start_kvd: StartKvd, config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    daemon = start_kvd("--config", str(config_file))
+    _reload(daemon, config_file, "[admission]\nsession_quota_blocks = 7\n")
+    assert ctl.main(["--address", daemon.address, "config"]) == ctl.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    # The reloaded value is the running one, and each key says how it changes.
+    assert "admission.session_quota_blocks:7  # reload" in lines
+    assert "admission.watermark_blocks:0  # restart" in lines
+    assert "server.lease_ms:5000  # restart" in lines
+    marked = {ln.split(":", 1)[0] for ln in lines if ln.endswith("# reload")}
+    assert marked == reload_keys()
