@@ -110,7 +110,7 @@ class Daemon:
         handle_signals: bool = True,
     ) -> None:
         self.config = config
-        self.addresses = [transport.resolve_address(config.server, env)]
+        self.addresses = [config.server.address or wire.default_socket(env)]
         if config.server.tcp_address:
             self.addresses.append(config.server.tcp_address)
         self.instance = transport.instance_id(self.addresses[0])
@@ -176,7 +176,7 @@ class Daemon:
                 **{k: v for k, v in memory.info().items() if k.endswith("_ms") or k == "path"},
             )
         curve = None
-        if any(transport.ipc_path(a) is None for a in self.addresses):
+        if any(wire.ipc_path(a) is None for a in self.addresses):
             server = self.config.server
             curve = load_server_keys(server.curve_secret_key_file)
             # The handler goes in before the CURVE endpoint: without one libzmq admits anyone.
@@ -186,7 +186,7 @@ class Daemon:
         )
         # Only socket files this daemon bound are unlinked at exit: a failed
         # start must never remove a live daemon's socket.
-        self._bound = [p for a in self.addresses if (p := transport.ipc_path(a)) is not None]
+        self._bound = [p for a in self.addresses if (p := wire.ipc_path(a)) is not None]
 
     def _start_events(self) -> tuple[KVEventPublisher, dict[str, EventChannel]]:
         ev = self.config.events

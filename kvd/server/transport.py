@@ -1,8 +1,9 @@
 """The ROUTER socket: where it lives, who else is there, how it is configured.
 
-Address: ``server.address`` or ``ipc://<runtime dir>/kvd.sock``, the
-runtime dir being ``$RUNTIME_DIRECTORY`` under systemd, ``/run/kvd`` for
-root, else ``$XDG_RUNTIME_DIR/kvd`` or ``/tmp/kvd-<uid>``.
+Address: ``server.address`` or the default socket, resolved by
+`kvd_client.wire.address` (the same function the clients use, so both
+sides agree on ``$RUNTIME_DIRECTORY``, the effective uid and abstract
+sockets).
 
 Binding an ipc path that another daemon serves silently steals it (the
 old daemon keeps an unreachable socket), so before binding, an existing
@@ -14,9 +15,11 @@ never more open than 0660 between bind and chmod. Its directory gets
 when someone else owns it (they could swap the socket file for their
 own daemon's; `security.check_dir`).
 
-tcp endpoints are served only with CURVE (`security.bind_curve`): ipc
-endpoints are bound first (libzmq applies the CURVE options at bind time
-and cannot clear them, so everything bound after a CURVE endpoint is one).
+Endpoints without a socket file — tcp, and abstract ``ipc://@name``
+sockets, which no file mode protects — are served only with CURVE
+(`security.bind_curve`): ipc endpoints with a file are bound first
+(libzmq applies the CURVE options at bind time and cannot clear them, so
+everything bound after a CURVE endpoint is one).
 
 Socket options: MAXMSGSIZE a little above the protocol's
 MAX_MESSAGE_BYTES, because libzmq drops a larger frame by closing the
@@ -31,7 +34,6 @@ import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
@@ -49,10 +51,7 @@ __all__ = [
     "bind_router",
     "check_address",
     "instance_id",
-    "ipc_path",
     "probe_daemon",
-    "resolve_address",
-    "runtime_dir",
 ]
 
 #: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
@@ -61,34 +60,6 @@ MAXMSGSIZE: Final = wire.MAX_MESSAGE_BYTES + 64 * 1024
 _BIND_UMASK: Final = 0o117
 
 log = structlog.get_logger("kvd.server")
-
-
-def runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
-    """Where the default socket lives (see the module docstring for the order)."""
-    env = os.environ if env is None else env
-    uid = os.getuid() if uid is None else uid
-    if env.get("RUNTIME_DIRECTORY"):
-        # systemd may list several directories separated by ':'; kvd asks for one.
-        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
-    if uid == 0:
-        return Path("/run/kvd")
-    if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"]) / "kvd"
-    return Path(f"/tmp/kvd-{uid}")  # noqa: S108 (per-user dir, created 0700/0770 and checked)
-
-
-def resolve_address(config: ServerConfig, env: Mapping[str, str] | None = None) -> str:
-    """The main endpoint: the configured one or the default ipc socket."""
-    if config.address:
-        return config.address
-    return f"ipc://{runtime_dir(env) / 'kvd.sock'}"
-
-
-def ipc_path(address: str) -> Path | None:
-    """The socket file of an ``ipc://`` address (None for tcp)."""
-    if address.startswith("ipc://"):
-        return Path(address[len("ipc://") :])
-    return None
 
 
 def instance_id(address: str) -> str:
@@ -145,27 +116,30 @@ def bind_router(
 ) -> zmq.Socket[bytes]:
     """A configured ROUTER bound to every address; raises StartupError.
 
-    ipc addresses are bound first and plain; tcp ones after, as CURVE
-    endpoints with ``curve`` (required for tcp: their clients are vetted by
-    the ZAP handler, which must be bound already). Call it only after
+    ipc addresses with a socket file are bound first and plain; the others
+    (tcp, abstract ipc) after, as CURVE endpoints with ``curve`` (required
+    for them: their clients are vetted by the ZAP handler, which must be
+    bound already). Call it only after
     `check_address` ran for each ipc address (which also removes stale
     socket files). Blocking (bind is quick; the probe is not).
     """
-    tcp = [a for a in addresses if ipc_path(a) is None]
+    tcp = [a for a in addresses if wire.ipc_path(a) is None]
     if tcp and curve is None:
-        raise StartupError(f"{tcp[0]}: a tcp endpoint is served only with CURVE keys")
+        raise StartupError(
+            f"{tcp[0]}: an endpoint without a socket file is served only with CURVE keys"
+        )
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
     sock.setsockopt(zmq.SNDHWM, config.sndhwm)
-    ordered = [a for a in addresses if ipc_path(a) is not None] + tcp
+    ordered = [a for a in addresses if wire.ipc_path(a) is not None] + tcp
     old_umask = os.umask(_BIND_UMASK)
     try:
         for address in ordered:
             try:
-                if ipc_path(address) is None:
+                if wire.ipc_path(address) is None:
                     assert curve is not None
                     bind_curve(sock, address, curve)
                 else:
@@ -174,7 +148,7 @@ def bind_router(
                 raise StartupError(
                     f"cannot bind {address}: {zmq.strerror(exc.errno or 0)}"
                 ) from None
-            path = ipc_path(address)
+            path = wire.ipc_path(address)
             if path is not None:
                 os.chmod(path, config.socket_mode)
     except BaseException:
@@ -187,6 +161,6 @@ def bind_router(
 
 def check_address(address: str, config: ServerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """Before binding: for ipc, make the directory, refuse a live daemon, unlink a stale file."""
-    path = ipc_path(address)
+    path = wire.ipc_path(address)
     if path is not None:
         _prepare_ipc(path, config, ctx)

@@ -23,10 +23,7 @@ from kvd.server.transport import (
     bind_router,
     check_address,
     instance_id,
-    ipc_path,
     probe_daemon,
-    resolve_address,
-    runtime_dir,
 )
 
 
@@ -47,32 +44,7 @@ def sockdir() -> Iterator[Path]:
 _KEYS = CurveKeys(*zmq.curve_keypair())
 
 
-@pytest.mark.parametrize(
-    ("env", "uid", "expected"),
-    [
-        ({"RUNTIME_DIRECTORY": "/run/kvd-x"}, 1000, "/run/kvd-x"),
-        ({"RUNTIME_DIRECTORY": "/run/a:/run/b"}, 0, "/run/a"),
-        ({}, 0, "/run/kvd"),
-        ({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000, "/run/user/1000/kvd"),
-        ({}, 1000, "/tmp/kvd-1000"),
-    ],
-)
-def test_runtime_dir(env: dict[str, str], uid: int, expected: str) -> None:
-    assert runtime_dir(env, uid) == Path(expected)
-
-
-def test_default_address_is_ipc_in_the_runtime_dir() -> None:
-    address = resolve_address(ServerConfig(), {"RUNTIME_DIRECTORY": "/run/kvd"})
-    assert address == "ipc:///run/kvd/kvd.sock"
-    tcp = ServerConfig(
-        address="tcp://127.0.0.1:5555", curve_secret_key_file="/k/s", curve_clients_dir="/k"
-    )
-    assert resolve_address(tcp) == "tcp://127.0.0.1:5555"
-
-
-def test_ipc_path_and_instance_id() -> None:
-    assert ipc_path("ipc:///tmp/a.sock") == Path("/tmp/a.sock")
-    assert ipc_path("tcp://127.0.0.1:1") is None
+def test_instance_id_is_stable_per_address() -> None:
     assert instance_id("ipc:///a") == instance_id("ipc:///a")
     assert instance_id("ipc:///a") != instance_id("ipc:///b")
 
@@ -154,11 +126,13 @@ def test_bind_failure_is_a_startup_error(ctx: zmq.Context[zmq.Socket[bytes]]) ->
         taken.close()
 
 
-def test_a_tcp_endpoint_without_curve_keys_is_not_bound(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:*", "ipc://@kvd-test-abstract"])
+def test_an_endpoint_without_a_socket_file_needs_curve_keys(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str
 ) -> None:
+    # No file mode protects a tcp port or an abstract socket: only CURVE vets its clients.
     with pytest.raises(StartupError, match="only with CURVE"):
-        bind_router(ctx, ["tcp://127.0.0.1:*"], ServerConfig())
+        bind_router(ctx, [address], ServerConfig())
 
 
 def test_ipc_endpoints_are_bound_before_the_curve_ones(

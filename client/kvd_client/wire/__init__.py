@@ -18,6 +18,7 @@ package imports only numpy and msgpack (never torch, zmq or cupy).
 from kvd_client.wire.address import (
     ADDRESS_ENV,
     default_address,
+    default_socket,
     ipc_path,
     runtime_dir,
 )
@@ -173,6 +174,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "default_address",
+    "default_socket",
     "encode_batch",
     "encode_error",
     "encode_notice",
