@@ -1,6 +1,6 @@
 """A cuda pool's data plane: a client writing KV into its blocks, beside a device-to-device copy.
 
-This process plays the daemon: `kvd.memory.cuda.CudaPool.create` makes the
+This process plays the daemon: `kvd.memory.cuda.CudaAllocation.create` makes the
 pool (its own ``cudaMalloc``, exported by IPC handle). A spawned client
 process maps it the way every client does (`kvd_client.pool.open_pool` on
 the memory map after a msgpack round trip) and times, in the same run:
@@ -201,10 +201,10 @@ def client(
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import msgpack
 
-    from kvd.memory.cuda import CudaPool
+    from kvd.memory.cuda import CudaAllocation
 
     layout = layout_for(int(args.pool_gib * GiB))
-    pool = CudaPool.create("bench", layout, device=args.device, headroom_bytes=2 * GiB)
+    pool = CudaAllocation.create("bench", layout, device=args.device, headroom_bytes=2 * GiB)
     try:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()

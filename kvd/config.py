@@ -35,11 +35,11 @@ from urllib.parse import urlsplit
 
 from kvd_client.wire import DTYPE_SIZES, PoolLayout
 
+from kvd.engine import DEFAULT_HASH_SEED, EVICTION_POLICIES
 from kvd.errors import ConfigError
+from kvd.memory import BACKENDS
 
 __all__ = [
-    "BACKENDS",
-    "EVICTIONS",
     "RELOAD",
     "AdmissionConfig",
     "CacheConfig",
@@ -56,10 +56,6 @@ __all__ = [
     "reload_keys",
 ]
 
-#: Memory backends a pool may name (``cuda`` joins the registry later).
-BACKENDS: Final = ("shm", "cuda")
-#: ``cache.eviction`` settings (the engine's `EVICTION_POLICIES`, which a test keeps equal).
-EVICTIONS: Final = ("frequency", "lru")
 #: Field metadata of a key that a SIGHUP applies to the running daemon.
 RELOAD: Final = {"reload": True}
 _LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
@@ -171,16 +167,16 @@ class CacheConfig:
     """The prefix cache."""
 
     #: Seed of the block-hash chain (vLLM's default; must match routers' config).
-    hash_seed: str = "vllm-none-hash"
+    hash_seed: str = DEFAULT_HASH_SEED
     #: Which cached block a full pool evicts: "frequency" (use counts and
     #: recency) or "lru" (vLLM's order, block for block).
     eviction: str = "frequency"
 
     def __post_init__(self) -> None:
         _require(
-            self.eviction in EVICTIONS,
+            self.eviction in EVICTION_POLICIES,
             "eviction",
-            f"must be one of {list(EVICTIONS)}",
+            f"must be one of {list(EVICTION_POLICIES)}",
         )
 
 

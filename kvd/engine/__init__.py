@@ -5,7 +5,7 @@ library and numpy.
 """
 
 from kvd.engine.checks import TokensLike
-from kvd.engine.config import EngineConfig
+from kvd.engine.config import EVICTION_POLICIES, EngineConfig
 from kvd.engine.engine import Engine
 from kvd.engine.errors import (
     Code,
@@ -16,6 +16,7 @@ from kvd.engine.errors import (
     NotFoundError,
 )
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvd.engine.hashing import DEFAULT_HASH_SEED
 from kvd.engine.results import (
     Allocation,
     Appended,
@@ -28,6 +29,8 @@ from kvd.engine.results import (
 from kvd.engine.stats import EngineStats, NamespaceStats
 
 __all__ = [
+    "DEFAULT_HASH_SEED",
+    "EVICTION_POLICIES",
     "AllBlocksCleared",
     "Allocation",
     "Appended",

@@ -40,7 +40,7 @@ class _Backend:
 
 
 def _shm_create(name: str, layout: PoolLayout, **opts: Any) -> PoolMemory:
-    return shm.ShmPool.create(name, layout, **opts)
+    return shm.ShmSegment.create(name, layout, **opts)
 
 
 #: Registered backends by name.

@@ -32,7 +32,7 @@ __all__ = [
     "CAPACITY_OPTS",
     "CREATE_OPTS",
     "CUDA_ALIGN",
-    "CudaPool",
+    "CudaAllocation",
     "allocation_size",
     "capacity",
     "check_headroom",
@@ -98,10 +98,10 @@ def remove_stale(*, instance: str, **_opts: Any) -> list[str]:
     return []
 
 
-class CudaPool:
+class CudaAllocation:
     """A pool's bytes in one device allocation of its own, exported by IPC handle.
 
-    Create with `CudaPool.create` (blocking: run it in a worker thread).
+    Create with `CudaAllocation.create` (blocking: run it in a worker thread).
     """
 
     def __init__(
@@ -128,7 +128,7 @@ class CudaPool:
     @classmethod
     def create(
         cls, name: str, layout: PoolLayout, *, device: int = 0, headroom_bytes: int = 0
-    ) -> CudaPool:
+    ) -> CudaAllocation:
         """Allocate, zero and export the pool on ``device``.
 
         Raises ValueError on bad arguments, StartupError when cupy or the
@@ -226,6 +226,6 @@ class CudaPool:
             cupy.cuda.runtime.free(ptr)
 
 
-def create(name: str, layout: PoolLayout, **opts: Any) -> CudaPool:
-    """The registry's entry point: `CudaPool.create` with ``device``/``headroom_bytes``."""
-    return CudaPool.create(name, layout, **opts)
+def create(name: str, layout: PoolLayout, **opts: Any) -> CudaAllocation:
+    """The registry's entry point: `CudaAllocation.create` with ``device``/``headroom_bytes``."""
+    return CudaAllocation.create(name, layout, **opts)

@@ -7,7 +7,9 @@ device's CUDA context is created first, so the reading already excludes
 the context's own few hundred MiB.
 
 cupy is imported on first use: without it every function here raises
-`StartupError` saying how to install it.
+`BackendUnavailableError` saying how to install it. The daemon loads cupy
+itself: the client library's loader lives in `kvd_client.cuda`, which also
+registers the client's cuda backend, and the daemon imports only the wire.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from kvd_client import cuda as client_cuda
-from kvd_client.cuda import CudaUnavailableError, load_cupy
-
-from kvd.errors import StartupError
+from kvd.errors import BackendUnavailableError, NoSuchDeviceError
 
 __all__ = [
     "DeviceMemory",
@@ -58,11 +57,14 @@ def check_device(device: object) -> int:
 
 
 def cupy_module() -> Any:
-    """The ``cupy`` module; StartupError with the install hint when it is missing."""
+    """The ``cupy`` module; BackendUnavailableError with the install hint when it is missing."""
     try:
-        return load_cupy()
-    except CudaUnavailableError as exc:
-        raise StartupError(exc.message) from None
+        import cupy  # noqa: PLC0415 (optional dependency, imported on use)
+    except ImportError:
+        raise BackendUnavailableError(
+            "cupy is not installed: pip install 'kvd[cuda]' (cupy-cuda13x)"
+        ) from None
+    return cupy
 
 
 def device_count() -> int:
@@ -78,17 +80,59 @@ def _visible(device: int) -> Any:
     """cupy's runtime, after checking that ``device`` is visible."""
     count = device_count()
     if device >= count:
-        raise StartupError(f"cuda:{device} is not visible: this process sees {count} GPU(s)")
+        raise NoSuchDeviceError(f"cuda:{device} is not visible: this process sees {count} GPU(s)")
     return cupy_module().cuda.runtime
 
 
+def _uuid_form(text: str) -> str | None:
+    """A UUID's 32 hex digits (any case, dashes or a ``GPU-`` prefix allowed)
+    in NVML's ``GPU-…`` form, as `kvd_client.wire.CudaMemoryMap` requires."""
+    h = text.strip().lower().removeprefix("gpu-").replace("-", "")
+    if len(h) != 32 or any(c not in "0123456789abcdef" for c in h):
+        return None
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def device_uuid(device: int) -> str:
-    """The GPU's UUID in NVML's ``GPU-…`` form (`kvd_client.cuda.device_uuid`)."""
-    _visible(check_device(device))
+    """The GPU's UUID in NVML's ``GPU-…`` form.
+
+    cupy returns ``cudaDeviceProp.uuid`` as a C string, so a UUID holding a
+    zero byte comes back cut short; NVML (by PCI bus id) or torch answer then.
+    """
+    runtime = _visible(check_device(device))
+    raw = bytes(runtime.getDeviceProperties(device).get("uuid", b""))
+    uuid = (
+        (_uuid_form(raw.hex()) if len(raw) == 16 else None)
+        or _uuid_from_nvml(runtime, device)
+        or _uuid_from_torch(device)
+    )
+    if uuid is None:
+        raise BackendUnavailableError(
+            f"cannot read the UUID of cuda:{device}: cupy cut it short and neither NVML "
+            "nor torch answered"
+        )
+    return uuid
+
+
+def _uuid_from_nvml(runtime: Any, device: int) -> str | None:
+    nvml = _nvml_module()
+    if nvml is None:
+        return None
     try:
-        return client_cuda.device_uuid(device)
-    except CudaUnavailableError as exc:
-        raise StartupError(exc.message) from None
+        handle = nvml.nvmlDeviceGetHandleByPciBusId(runtime.deviceGetPCIBusId(device))
+        text = nvml.nvmlDeviceGetUUID(handle)
+    except Exception:  # NVMLError, or no answer: try the next source
+        return None
+    return _uuid_form(text.decode("ascii", "replace") if isinstance(text, bytes) else str(text))
+
+
+def _uuid_from_torch(device: int) -> str | None:
+    try:
+        import torch  # noqa: PLC0415 (optional dependency)
+
+        return _uuid_form(str(torch.cuda.get_device_properties(device).uuid))
+    except Exception:  # no torch, no CUDA in torch, or no uuid field: no answer
+        return None
 
 
 _NVML_LOCK: Final = threading.Lock()

@@ -33,7 +33,7 @@ from kvd_client.wire import PAGE, PoolLayout
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory.base import Capacity
 
-__all__ = ["FILE_MODE", "ShmPool", "capacity", "remove_stale", "segment_path"]
+__all__ = ["FILE_MODE", "ShmSegment", "capacity", "remove_stale", "segment_path"]
 
 #: Mode of a pool file: the daemon's user and group read and write.
 FILE_MODE: Final = 0o660
@@ -80,10 +80,10 @@ def remove_stale(shm_dir: str, instance: str) -> list[str]:
     return removed
 
 
-class ShmPool:
+class ShmSegment:
     """A pool's bytes in a tmpfs file, reserved and mapped by the daemon.
 
-    Create with `ShmPool.create` (blocking: run it in a worker thread).
+    Create with `ShmSegment.create` (blocking: run it in a worker thread).
     """
 
     def __init__(self, layout: PoolLayout, path: Path, fd: int, mm: mmap.mmap) -> None:
@@ -109,7 +109,7 @@ class ShmPool:
         shm_dir: str = "/dev/shm",  # noqa: S108 (the tmpfs itself)
         prefault: bool = True,
         hugepages: bool = False,
-    ) -> ShmPool:
+    ) -> ShmSegment:
         """Create, reserve and map the segment; raises PoolTooLargeError or StartupError.
 
         Refuses before touching anything when the pool does not fit; a

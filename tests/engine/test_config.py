@@ -6,9 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvd.config import EVICTIONS
 from kvd.engine import EngineConfig, InvalidError
-from kvd.engine.config import EVICTION_POLICIES
 
 
 def test_defaults_match_vllm() -> None:
@@ -40,6 +38,5 @@ def test_bad_settings_are_invalid(kwargs: dict[str, Any]) -> None:
         EngineConfig(**kwargs)
 
 
-def test_the_default_eviction_is_frequency_and_the_daemon_config_offers_the_same() -> None:
+def test_the_default_eviction_is_frequency() -> None:
     assert EngineConfig(num_blocks=8).eviction == "frequency"
-    assert EVICTIONS == EVICTION_POLICIES

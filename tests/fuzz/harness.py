@@ -30,7 +30,7 @@ from kvd_client import wire
 from kvd.config import load_config
 from kvd.engine import Engine, EngineConfig
 from kvd.engine.errors import InvariantError
-from kvd.memory.shm import ShmPool
+from kvd.memory.shm import ShmSegment
 from kvd.server.dispatch import Dispatcher
 from kvd.server.pools import Pools, ServedPool
 from kvd.server.sessions import PeerCred, SessionTable
@@ -102,7 +102,7 @@ class Target:
             },
         )
         pc = self.config.pools[0]
-        self.memory = ShmPool.create(
+        self.memory = ShmSegment.create(
             pc.name, pc.layout, instance=f"fuzz{uuid.uuid4().hex[:10]}", prefault=False
         )
         # No client ever attaches by name here, so the name can go at once: a

@@ -1,6 +1,6 @@
 """cuda pools on a real GPU: allocation, export, client mapping, refusal.
 
-The test process plays the daemon (`kvd.memory.cuda.CudaPool`); the
+The test process plays the daemon (`kvd.memory.cuda.CudaAllocation`); the
 ``clients`` fixture's two spawned processes map the pool through the
 client library, from the memory map as it crosses the wire (msgpack).
 """
@@ -33,13 +33,13 @@ LAYOUT = PoolLayout(
 )
 
 
-def wire(pool: cuda.CudaPool) -> bytes:
+def wire(pool: cuda.CudaAllocation) -> bytes:
     """The pool's memory map as the hello reply carries it."""
     packed: bytes = msgpack.packb(pool.handle(), use_bin_type=True)
     return packed
 
 
-def slot_values(pool: cuda.CudaPool, layer: int, kv: int, block: int) -> Any:
+def slot_values(pool: cuda.CudaAllocation, layer: int, kv: int, block: int) -> Any:
     """The daemon's own reading of one slot, as float32 values (cupy)."""
     import cupy
 
@@ -48,7 +48,7 @@ def slot_values(pool: cuda.CudaPool, layer: int, kv: int, block: int) -> Any:
     return raw[start : start + LAYOUT.slot_bytes].view(cupy.float32)
 
 
-def daemon_fill(pool: cuda.CudaPool, layer: int, kv: int, block: int, value: float) -> None:
+def daemon_fill(pool: cuda.CudaAllocation, layer: int, kv: int, block: int, value: float) -> None:
     """Write one slot as the daemon, and wait for it: clients read from other contexts."""
     import cupy
 
@@ -57,8 +57,8 @@ def daemon_fill(pool: cuda.CudaPool, layer: int, kv: int, block: int, value: flo
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[cuda.CudaPool]:
-    p = cuda.CudaPool.create("gpu-test", LAYOUT, device=0, headroom_bytes=GiB)
+def pool() -> Iterator[cuda.CudaAllocation]:
+    p = cuda.CudaAllocation.create("gpu-test", LAYOUT, device=0, headroom_bytes=GiB)
     try:
         yield p
     finally:
@@ -66,7 +66,9 @@ def pool() -> Iterator[cuda.CudaPool]:
 
 
 @pytest.fixture(scope="module")
-def mapped(pool: cuda.CudaPool, clients: tuple[Worker, Worker]) -> Iterator[tuple[Worker, Worker]]:
+def mapped(
+    pool: cuda.CudaAllocation, clients: tuple[Worker, Worker]
+) -> Iterator[tuple[Worker, Worker]]:
     """Both clients with the module's pool open."""
     for c in clients:
         c.call("open", "gpu-test", wire(pool), LAYOUT.to_dict())
@@ -75,7 +77,7 @@ def mapped(pool: cuda.CudaPool, clients: tuple[Worker, Worker]) -> Iterator[tupl
         c.call("drop", "gpu-test")
 
 
-def test_pool_is_its_own_2mib_allocation(pool: cuda.CudaPool) -> None:
+def test_pool_is_its_own_2mib_allocation(pool: cuda.CudaAllocation) -> None:
     assert pool.size == LAYOUT.total_bytes
     assert pool.size % POOL_ALIGN == 0
     handle = pool.handle()
@@ -84,13 +86,13 @@ def test_pool_is_its_own_2mib_allocation(pool: cuda.CudaPool) -> None:
     assert pool.info()["free_source"] in ("nvml", "cuda")
 
 
-def test_pool_starts_zeroed(pool: cuda.CudaPool) -> None:
+def test_pool_starts_zeroed(pool: cuda.CudaAllocation) -> None:
     raw = device_bytes(pool.ptr, pool.size, pool.device)
     assert int(raw.any()) == 0
 
 
 def test_client_reads_what_the_daemon_wrote(
-    pool: cuda.CudaPool, mapped: tuple[Worker, Worker]
+    pool: cuda.CudaAllocation, mapped: tuple[Worker, Worker]
 ) -> None:
     daemon_fill(pool, 2, 1, 300, 7.5)
     assert mapped[0].call("slot", "gpu-test", 2, 1, 300) == [7.5, 7.5]
@@ -98,7 +100,7 @@ def test_client_reads_what_the_daemon_wrote(
 
 
 def test_daemon_sees_what_a_client_wrote_at_the_layout_offset(
-    pool: cuda.CudaPool, mapped: tuple[Worker, Worker]
+    pool: cuda.CudaAllocation, mapped: tuple[Worker, Worker]
 ) -> None:
     mapped[0].call("fill", "gpu-test", 3, 0, 511, -2.0)
     assert float(slot_values(pool, 3, 0, 511).min()) == -2.0
@@ -150,12 +152,14 @@ def test_write_layer_writes_only_that_layer(
         assert b.call("slot", "gpu-test", 1, 1, block) == [0.0, 0.0]
 
 
-def test_a_process_opens_a_handle_once(pool: cuda.CudaPool, mapped: tuple[Worker, Worker]) -> None:
+def test_a_process_opens_a_handle_once(
+    pool: cuda.CudaAllocation, mapped: tuple[Worker, Worker]
+) -> None:
     assert mapped[0].call("reopen", "gpu-test", wire(pool), LAYOUT.to_dict())
 
 
 def test_a_handle_for_a_gpu_the_client_cannot_see_is_refused(
-    pool: cuda.CudaPool, clients: tuple[Worker, Worker]
+    pool: cuda.CudaAllocation, clients: tuple[Worker, Worker]
 ) -> None:
     handle = dict(pool.handle(), uuid="GPU-00000000-0000-0000-0000-000000000000")
     raw = msgpack.packb(handle, use_bin_type=True)
@@ -176,11 +180,13 @@ def layout_of(nbytes: int) -> PoolLayout:
 
 
 def test_pool_larger_than_free_memory_is_refused_and_nobody_fails(
-    pool: cuda.CudaPool, mapped: tuple[Worker, Worker]
+    pool: cuda.CudaAllocation, mapped: tuple[Worker, Worker]
 ) -> None:
     before = device_memory(0)
     with pytest.raises(PoolTooLargeError) as info:
-        cuda.CudaPool.create("too-big", layout_of(before.free + GiB), device=0, headroom_bytes=GiB)
+        cuda.CudaAllocation.create(
+            "too-big", layout_of(before.free + GiB), device=0, headroom_bytes=GiB
+        )
     line = str(info.value)
     assert "\n" not in line
     assert "free" in line
@@ -195,7 +201,7 @@ def test_pool_larger_than_free_memory_is_refused_and_nobody_fails(
 def test_headroom_refuses_a_pool_that_would_fit_the_free_memory() -> None:
     free = device_memory(0).free
     with pytest.raises(PoolTooLargeError, match="headroom"):
-        cuda.CudaPool.create("tight", layout_of(free // 2), device=0, headroom_bytes=free)
+        cuda.CudaAllocation.create("tight", layout_of(free // 2), device=0, headroom_bytes=free)
 
 
 def test_capacity_is_free_memory_less_headroom() -> None:
@@ -207,7 +213,7 @@ def test_capacity_is_free_memory_less_headroom() -> None:
 
 def test_pool_memory_is_returned_on_close() -> None:
     before = device_memory(0).free
-    p = cuda.CudaPool.create("returned", layout_of(GiB), device=0)
+    p = cuda.CudaAllocation.create("returned", layout_of(GiB), device=0)
     assert device_memory(0).free <= before - GiB + SLACK
     p.close()
     p.close()
@@ -224,7 +230,7 @@ def test_big_pool_is_mapped_by_two_clients(clients: tuple[Worker, Worker]) -> No
     if free < nbytes + 4 * GiB:
         pytest.skip(f"{free / GiB:.1f} GiB free, the big pool needs {nbytes / GiB:.0f} + 4 GiB")
     layout = layout_of(nbytes)
-    big = cuda.CudaPool.create("big", layout, device=0, headroom_bytes=2 * GiB)
+    big = cuda.CudaAllocation.create("big", layout, device=0, headroom_bytes=2 * GiB)
     try:
         assert big.size >= nbytes
         a, b = clients
@@ -244,7 +250,9 @@ def test_big_pool_is_mapped_by_two_clients(clients: tuple[Worker, Worker]) -> No
         big.close()
 
 
-def test_clients_find_the_gpu_by_uuid_when_devices_are_renumbered(pool: cuda.CudaPool) -> None:
+def test_clients_find_the_gpu_by_uuid_when_devices_are_renumbered(
+    pool: cuda.CudaAllocation,
+) -> None:
     if device_count() < 2:
         pytest.skip("renumbering needs two GPUs")
     order = ",".join(str(i) for i in reversed(range(device_count())))

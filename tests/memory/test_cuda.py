@@ -72,12 +72,12 @@ def test_create_checks_arguments_before_touching_a_device(
     kwargs: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
-        cuda.CudaPool.create("p", LAYOUT, **kwargs)
+        cuda.CudaAllocation.create("p", LAYOUT, **kwargs)
 
 
 def test_create_refuses_something_that_is_not_a_layout() -> None:
     with pytest.raises(ValueError, match="PoolLayout"):
-        cuda.CudaPool.create("p", LAYOUT.to_dict())  # type: ignore[arg-type]
+        cuda.CudaAllocation.create("p", LAYOUT.to_dict())  # type: ignore[arg-type]
 
 
 @no_cupy
@@ -97,7 +97,7 @@ def test_registry_options_match_the_entry_points() -> None:
         params = inspect.signature(fn).parameters.values()
         return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
-    assert keyword_only(cuda.CudaPool.create) == cuda.CREATE_OPTS
+    assert keyword_only(cuda.CudaAllocation.create) == cuda.CREATE_OPTS
     assert keyword_only(cuda.capacity) == cuda.CAPACITY_OPTS
 
 
@@ -138,9 +138,9 @@ def test_refusal_reports_nothing_available_when_headroom_exceeds_free() -> None:
     assert cuda.refusal(decision, device(GiB)).available == 0
 
 
-def made_pool() -> cuda.CudaPool:
+def made_pool() -> cuda.CudaAllocation:
     """A pool object as `create` builds it, around a device address never dereferenced here."""
-    return cuda.CudaPool(
+    return cuda.CudaAllocation(
         "p",
         LAYOUT,
         mem=device(100 * GiB),

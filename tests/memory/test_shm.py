@@ -15,7 +15,7 @@ from kvd_client.wire import PoolLayout
 
 from kvd.errors import PoolTooLargeError, StartupError
 from kvd.memory import shm
-from kvd.memory.shm import ShmPool, capacity, remove_stale, segment_path
+from kvd.memory.shm import ShmSegment, capacity, remove_stale, segment_path
 
 TINY = PoolLayout(
     num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=16, num_blocks=8
@@ -32,7 +32,7 @@ def instance() -> Iterator[str]:
 
 
 def test_creates_file_of_layout_size_with_mode_0660(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         st = os.stat(pool.path)
         assert stat.S_IMODE(st.st_mode) == 0o660
@@ -43,7 +43,7 @@ def test_creates_file_of_layout_size_with_mode_0660(instance: str) -> None:
 
 
 def test_file_is_fully_reserved(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR, prefault=False)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR, prefault=False)
     try:
         # fallocate reserves every block of the file: nothing is sparse.
         assert os.stat(pool.path).st_blocks * 512 >= TINY.total_bytes
@@ -54,7 +54,7 @@ def test_file_is_fully_reserved(instance: str) -> None:
 def test_mode_survives_a_restrictive_umask(instance: str) -> None:
     old = os.umask(0o077)
     try:
-        pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+        pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     finally:
         os.umask(old)
     try:
@@ -64,7 +64,7 @@ def test_mode_survives_a_restrictive_umask(instance: str) -> None:
 
 
 def test_handle_describes_the_mapping(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         assert pool.handle() == {
             "backend": "shm",
@@ -81,9 +81,9 @@ def test_handle_describes_the_mapping(instance: str) -> None:
 
 
 def test_each_segment_has_its_own_token(instance: str) -> None:
-    a = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    a = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     a.close()
-    b = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    b = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         assert a.handle()["path"] == b.handle()["path"]
         assert a.handle() != b.handle()
@@ -92,7 +92,7 @@ def test_each_segment_has_its_own_token(instance: str) -> None:
 
 
 def test_bytes_written_by_daemon_are_seen_by_another_mapping(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         view = np.frombuffer(pool.buffer(), dtype=np.uint8)
         off = TINY.offset(1, 1, 3)
@@ -113,7 +113,7 @@ def test_refuses_a_pool_larger_than_memory(instance: str) -> None:
     blocks = cap.bytes // TINY.kv_bytes_per_block + 1024
     huge = PoolLayout(2, 2, 16, "float16", 16, blocks)
     with pytest.raises(PoolTooLargeError) as info:
-        ShmPool.create("huge", huge, instance=instance, shm_dir=SHM_DIR)
+        ShmSegment.create("huge", huge, instance=instance, shm_dir=SHM_DIR)
     message = str(info.value)
     assert "pool 'huge' needs" in message
     assert str(huge.total_bytes) in message
@@ -123,17 +123,17 @@ def test_refuses_a_pool_larger_than_memory(instance: str) -> None:
 
 
 def test_refuses_to_reuse_an_existing_segment(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         with pytest.raises(StartupError, match="exists"):
-            ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+            ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
         assert pool.path.exists()
     finally:
         pool.close()
 
 
 def test_close_unlinks_but_client_mapping_stays_valid(instance: str) -> None:
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     fd = os.open(pool.path, os.O_RDWR)
     mm = mmap.mmap(fd, TINY.total_bytes)
     os.close(fd)
@@ -170,7 +170,7 @@ def test_capacity_is_bounded_by_tmpfs_free_space() -> None:
 def test_unwritable_directory_is_a_startup_error(tmp_path: Path) -> None:
     missing = tmp_path / "absent"
     with pytest.raises(StartupError, match="cannot create"):
-        ShmPool.create("p", TINY, instance="x", shm_dir=str(missing))
+        ShmSegment.create("p", TINY, instance="x", shm_dir=str(missing))
 
 
 def test_prefault_falls_back_to_touching_pages(
@@ -178,7 +178,7 @@ def test_prefault_falls_back_to_touching_pages(
 ) -> None:
     # A kernel without MADV_POPULATE_WRITE rejects the advice with EINVAL.
     monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", -1)
-    pool = ShmPool.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
+    pool = ShmSegment.create("p", TINY, instance=instance, shm_dir=SHM_DIR)
     try:
         assert pool.prefault_method == "touch"
     finally:

@@ -15,7 +15,7 @@ from kvd_client import wire
 
 from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
-from kvd.memory.shm import ShmPool
+from kvd.memory.shm import ShmSegment
 from kvd.server.dispatch import Dispatcher
 from kvd.server.pools import Pools, ServedPool
 from kvd.server.reload import reload_config
@@ -49,7 +49,7 @@ class Harness:
         self.instance = f"test{uuid.uuid4().hex[:10]}"
         self.pools = Pools(config, instance=self.instance)
         for pc in config.pools:
-            memory = ShmPool.create(pc.name, pc.layout, instance=self.instance, prefault=False)
+            memory = ShmSegment.create(pc.name, pc.layout, instance=self.instance, prefault=False)
             engine = Engine(
                 EngineConfig(
                     num_blocks=pc.num_blocks,
