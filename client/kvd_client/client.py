@@ -32,8 +32,6 @@ threads, an `AsyncClient` by tasks. Not fork-safe: connect after forking.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
 from types import MethodType, TracebackType
@@ -46,6 +44,7 @@ from typing import (
     ParamSpec,
     Self,
     TypeVar,
+    Unpack,
     overload,
 )
 
@@ -53,22 +52,20 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from kvd_client.core import Admission, Deferred, Identity, Op, PinState, SeqState, Session
+from kvd_client.connect import Connection, ConnectOptions
+from kvd_client.core import Admission, Deferred, Op, PinState, SeqState, Session
 from kvd_client.errors import InvalidRequest, KvdError
 from kvd_client.pool import PoolMapping
-from kvd_client.transport import AsyncTransport, BlockingTransport, CurveTriple
+from kvd_client.transport import AsyncTransport, BlockingTransport
 from kvd_client.wire import (
-    MAX_NAME_LEN,
     CheckResult,
     CommitResult,
     Notice,
     PingResult,
     PoolLayout,
-    default_address,
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "AsyncClient",
     "Batch",
     "Client",
@@ -78,8 +75,6 @@ __all__ = [
     "operation",
 ]
 
-#: Seconds to wait for the daemon before `DaemonUnavailable`.
-DEFAULT_TIMEOUT = 5.0
 #: Goodbye waits at most this long: closing must not hang on a dead daemon.
 _CLOSE_TIMEOUT = 1.0
 
@@ -288,8 +283,9 @@ class Pin(_Bound[C]):
 class Batch(_Bound[C]):
     """Operations of one scheduler step, sent in one round trip.
 
-    Each method queues an operation (checking its arguments now) and returns
-    a `Deferred` whose ``result()`` is available after `send`. Operations run
+    Each method queues an operation (checking its arguments now; token ids
+    are checked once, by the payload encoding, when the batch is sent) and
+    returns a `Deferred` whose ``result()`` is available after `send`. Operations run
     in order on the daemon, each on its own: a refused one (e.g.
     `OutOfBlocks`) fails alone. ``with kv.batch() as b`` (``async with`` on an
     `AsyncClient`) sends on leaving the block unless it raised.
@@ -391,38 +387,6 @@ class Batch(_Bound[C]):
     ) -> None:
         if et is None:
             await self._run(self._send())
-
-
-def _identity(
-    pool: str | None,
-    *,
-    name: str | None,
-    namespace: str,
-    adapter: str | None,
-    layout: PoolLayout | None,
-    hash_seed: str | None,
-    create: bool = False,
-    backend: str | None = None,
-    device: int | None = None,
-) -> Identity:
-    if type(create) is not bool:
-        raise InvalidRequest(f"create must be True or False, got {create!r}")
-    if create and (pool is None or layout is None):
-        raise InvalidRequest("create=True needs a pool name and its layout")
-    if backend is not None and (type(backend) is not str or not backend):
-        raise InvalidRequest(f"backend must be a non-empty string, got {backend!r}")
-    if device is not None and (type(device) is not int or device < 0):
-        raise InvalidRequest(f"device must be a GPU index >= 0, got {device!r}")
-    if name is None:
-        name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    for what, value in (("pool", pool), ("name", name), ("adapter", adapter)):
-        if value is not None and (type(value) is not str or not value):
-            raise InvalidRequest(f"{what} must be a non-empty string, got {value!r}")
-    if type(namespace) is not str or len(namespace) > MAX_NAME_LEN:
-        raise InvalidRequest(f"namespace must be a string of at most {MAX_NAME_LEN} characters")
-    return Identity(
-        pool, name[:MAX_NAME_LEN], namespace, adapter, layout, hash_seed, create, backend, device
-    )
 
 
 class ClientBase(_Bound[C]):
@@ -585,44 +549,30 @@ class Client(ClientBase["Client"]):
         name: str | None = None,
         namespace: str = "",
         adapter: str | None = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        layout: PoolLayout | None = None,
-        hash_seed: str | None = None,
-        on_notice: Callable[[Notice], None] | None = None,
-        create: bool = False,
-        backend: str | None = None,
-        device: int | None = None,
-        curve: CurveTriple | None = None,
+        **options: Unpack[ConnectOptions],
     ) -> Client:
         """Connect and open a session on ``pool`` (``pool=None``: operator requests only).
 
         ``address`` defaults to `default_address` (``$KVD_ADDRESS``); ``name``
-        to the program's name. ``layout``/``hash_seed``, when given, must match
-        the daemon's (else `LayoutMismatch`). ``create=True`` (with ``layout``)
-        makes the daemon create the pool for ``layout`` on ``backend``/``device``
-        when it has none of that name (`Forbidden` when the operator disabled
-        runtime pools, `QuotaExceeded`/`OutOfBlocks` when the cap or the memory
-        refuses it); a re-attach after a daemon restart creates it again.
+        to the program's name; the keyword options are `ConnectOptions`
+        (``timeout`` defaults to `DEFAULT_TIMEOUT`). ``layout``/``hash_seed``,
+        when given, must match the daemon's (else `LayoutMismatch`).
+        ``create=True`` (with ``layout``) makes the daemon create the pool for
+        ``layout`` on ``backend``/``device`` when it has none of that name
+        (`Forbidden` when the operator disabled runtime pools,
+        `QuotaExceeded`/`OutOfBlocks` when the cap or the memory refuses it);
+        a re-attach after a daemon restart creates it again.
         ``timeout`` must cover the pool's allocation. ``curve`` =
         ``(server_public, public, secret)`` (z85 keys) for a tcp endpoint,
         which the daemon serves only with CURVE. Raises `DaemonUnavailable`
         when nothing answers within ``timeout`` seconds (an unlisted CURVE key
         included: the daemon drops such connections without a word).
         """
-        identity = _identity(
-            pool,
-            name=name,
-            namespace=namespace,
-            adapter=adapter,
-            layout=layout,
-            hash_seed=hash_seed,
-            create=create,
-            backend=backend,
-            device=device,
+        c = Connection.of(
+            address, pool, name=name, namespace=namespace, adapter=adapter, options=options
         )
-        transport = BlockingTransport(address or default_address(), curve)
-        client = cls(Session(identity, on_notice), transport, timeout)
+        transport = BlockingTransport(c.address, c.curve)
+        client = cls(Session(c.identity, c.on_notice), transport, c.timeout)
         if pool is not None:
             try:
                 client._run(client._session.hello())
@@ -637,12 +587,16 @@ class Client(ClientBase["Client"]):
             with self._lock:
                 self._check_open()
                 wait = self.timeout if timeout is None else timeout
-                roundtrip = self._transport.roundtrip
+                roundtrip, encode, accept = (
+                    self._transport.roundtrip,
+                    session.encode,
+                    session.accept,
+                )
                 try:
                     out = op.send(None)  # type: ignore[arg-type]
                     while True:
                         try:
-                            reply = roundtrip(session, out, wait)
+                            reply = roundtrip(encode(out), out.id, accept, wait)
                         except KvdError as exc:
                             out = op.throw(exc)
                         else:
@@ -690,32 +644,16 @@ class AsyncClient(ClientBase["AsyncClient"]):
         name: str | None = None,
         namespace: str = "",
         adapter: str | None = None,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        layout: PoolLayout | None = None,
-        hash_seed: str | None = None,
-        on_notice: Callable[[Notice], None] | None = None,
-        create: bool = False,
-        backend: str | None = None,
-        device: int | None = None,
-        curve: CurveTriple | None = None,
+        **options: Unpack[ConnectOptions],
     ) -> _Connecting:
         """Like `Client.connect`; await it, or use it as ``async with``."""
-        identity = _identity(
-            pool,
-            name=name,
-            namespace=namespace,
-            adapter=adapter,
-            layout=layout,
-            hash_seed=hash_seed,
-            create=create,
-            backend=backend,
-            device=device,
+        c = Connection.of(
+            address, pool, name=name, namespace=namespace, adapter=adapter, options=options
         )
 
         async def make() -> AsyncClient:
-            transport = AsyncTransport(address or default_address(), curve)
-            client = cls(Session(identity, on_notice), transport, timeout)
+            transport = AsyncTransport(c.address, c.curve)
+            client = cls(Session(c.identity, c.on_notice), transport, c.timeout)
             if pool is not None:
                 try:
                     await client._run(client._session.hello())
@@ -732,12 +670,16 @@ class AsyncClient(ClientBase["AsyncClient"]):
             async with self._lock:
                 self._check_open()
                 wait = self.timeout if timeout is None else timeout
-                roundtrip = self._transport.roundtrip
+                roundtrip, encode, accept = (
+                    self._transport.roundtrip,
+                    session.encode,
+                    session.accept,
+                )
                 try:
                     out = op.send(None)  # type: ignore[arg-type]
                     while True:
                         try:
-                            reply = await roundtrip(session, out, wait)
+                            reply = await roundtrip(encode(out), out.id, accept, wait)
                         except KvdError as exc:
                             out = op.throw(exc)
                         else:

@@ -1,8 +1,9 @@
 """The two ways frames reach the daemon: a blocking and an anyio DEALER socket.
 
-Both only move frames: `Session.encode` builds them and `Session.accept`
-picks the reply to the request in flight out of what arrives (skipping
-notices and stale replies), so the protocol logic exists once.
+Both only move frames: the client encodes the request, and an ``accept``
+callback it passes (`ClientSession.accept`) picks the reply to the request
+in flight out of what arrives (skipping notices and stale replies), so the
+transports know nothing of the protocol.
 
 Socket options, and why:
 
@@ -22,19 +23,23 @@ Socket options, and why:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeAlias, TypeVar
 
 import anyio
 import zmq
 
-from kvd_client.core import Outgoing, Session
 from kvd_client.errors import DaemonUnavailable
-from kvd_client.wire import OkReply
 
-__all__ = ["AsyncTransport", "BlockingTransport", "CurveTriple", "dealer"]
+__all__ = ["Accept", "AsyncTransport", "BlockingTransport", "CurveTriple", "dealer"]
 
 #: CURVE keys of a tcp connection, z85: (server public, client public, client secret).
 CurveTriple = tuple[bytes, bytes, bytes]
+
+T = TypeVar("T")
+#: ``accept(frames, req_id)``: the reply to ``req_id`` out of one received
+#: message, or None to keep waiting (a notice, a stale reply); may raise.
+Accept: TypeAlias = Callable[[list[bytes], int], T | None]
 
 # Plain ints: pyzmq's flag enums cost an enum construction per operation.
 _SNDMORE = int(zmq.SNDMORE)
@@ -97,9 +102,10 @@ class BlockingTransport:
         self._sock.setsockopt(zmq.RCVTIMEO, ms)
         self._timeout_ms = ms
 
-    def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:
-        """Send ``out`` and return its reply; `DaemonUnavailable` after ``timeout`` seconds."""
-        frames = session.encode(out)
+    def roundtrip(
+        self, frames: Sequence[bytes], req_id: int, accept: Accept[T], timeout: float
+    ) -> T:
+        """Send ``frames``, return what ``accept`` takes; `DaemonUnavailable` after ``timeout``."""
         sock = self._sock
         ms = max(1, int(timeout * 1000))
         if ms != self._timeout_ms:  # the same every call but after a notice
@@ -108,7 +114,7 @@ class BlockingTransport:
         try:
             _send_frames(sock, frames)
             while True:
-                reply = session.accept(_recv_frames(sock), out.id)
+                reply = accept(_recv_frames(sock), req_id)
                 if reply is not None:
                     return reply
                 # A notice or a stale reply: keep waiting, within the same deadline.
@@ -140,13 +146,14 @@ class AsyncTransport:
         self._sock = dealer(address, curve)
         self._fd: int = self._sock.FD
 
-    async def roundtrip(self, session: Session, out: Outgoing, timeout: float) -> OkReply:
-        """Send ``out`` and return its reply; `DaemonUnavailable` after ``timeout`` seconds."""
-        frames = session.encode(out)
+    async def roundtrip(
+        self, frames: Sequence[bytes], req_id: int, accept: Accept[T], timeout: float
+    ) -> T:
+        """Send ``frames``, return what ``accept`` takes; `DaemonUnavailable` after ``timeout``."""
         with anyio.move_on_after(timeout):
             await self._send(frames)
             while True:
-                reply = session.accept(await self._recv(), out.id)
+                reply = accept(await self._recv(), req_id)
                 if reply is not None:
                     return reply
         raise DaemonUnavailable(self.address, timeout)

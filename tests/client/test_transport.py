@@ -35,8 +35,8 @@ def test_blocking_timeout_then_the_late_reply_is_dropped(router: StartRouter) ->
     transport = BlockingTransport(r.address)
     try:
         with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-            transport.roundtrip(session, wire.Ping(id=1), 0.2)
-        reply = transport.roundtrip(session, wire.Ping(id=2), 5.0)
+            transport.roundtrip(wire.Ping(id=1).encode(), 1, session.accept, 0.2)
+        reply = transport.roundtrip(wire.Ping(id=2).encode(), 2, session.accept, 5.0)
     finally:
         transport.close()
     assert (reply.id, reply.result["epoch"]) == (2, 2)
@@ -50,8 +50,8 @@ def test_async_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> No
         transport = AsyncTransport(r.address)
         try:
             with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-                await transport.roundtrip(session, wire.Ping(id=1), 0.2)
-            return await transport.roundtrip(session, wire.Ping(id=2), 5.0)
+                await transport.roundtrip(wire.Ping(id=1).encode(), 1, session.accept, 0.2)
+            return await transport.roundtrip(wire.Ping(id=2).encode(), 2, session.accept, 5.0)
         finally:
             transport.close()
 
