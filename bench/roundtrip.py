@@ -58,15 +58,19 @@ def capture(address: str) -> dict[str, Exchange]:
             raise RuntimeError(f"daemon refused {type(request).__name__}: {reply}")
         return frames, reply
 
-    ask(wire.Hello(id=1, version=wire.PROTOCOL_VERSION, pool="default", name="rt", pid=os.getpid()))
+    ask(
+        wire.HelloRequest(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="rt", pid=os.getpid()
+        )
+    )
     out = {
-        "ping": [ask(wire.Ping(id=_ID))],
+        "ping": [ask(wire.PingRequest(id=_ID))],
         "allocate+free": [
-            ask(wire.Allocate(id=_ID, seq="rt", tokens=TOKENS)),
-            ask(wire.Free(id=_ID + 1, seq="rt")),
+            ask(wire.AllocateRequest(id=_ID, seq="rt", tokens=TOKENS)),
+            ask(wire.FreeRequest(id=_ID + 1, seq="rt")),
         ],
     }
-    ask(wire.Goodbye(id=2))
+    ask(wire.GoodbyeRequest(id=2))
     sock.close(linger=0)
     return out
 

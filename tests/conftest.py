@@ -94,7 +94,7 @@ class KvdProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
-            reply = raw_call(self.address, wire.Ping(id=1).encode(), timeout_ms=200)
+            reply = raw_call(self.address, wire.PingRequest(id=1).encode(), timeout_ms=200)
             if isinstance(reply, wire.OkReply):
                 return int(reply.result["epoch"])
         raise AssertionError(f"kvd did not answer within {READY_TIMEOUT_S} s:\n{self.log()}")
@@ -104,13 +104,13 @@ class KvdProcess:
         return raw_call(self.address, frames)
 
     def stats(self) -> dict[str, Any]:
-        reply = self.call(wire.Stats(id=1))
+        reply = self.call(wire.StatsRequest(id=1))
         assert isinstance(reply, wire.OkReply), reply
         info: dict[str, Any] = reply.result["info"]
         return info
 
     def check(self) -> dict[str, Any]:
-        reply = self.call(wire.Check(id=1))
+        reply = self.call(wire.CheckRequest(id=1))
         assert isinstance(reply, wire.OkReply), reply
         return reply.result
 

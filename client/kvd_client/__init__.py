@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         KvdError,
         OutOfBlocks,
         QuotaExceeded,
-        Refused,
+        RefusalError,
         SessionLost,
     )
     from kvd_client.pool import PoolMapping, ShmPool, open_pool, register_backend
@@ -46,7 +46,7 @@ __all__ = [
     "PoolLayout",
     "PoolMapping",
     "QuotaExceeded",
-    "Refused",
+    "RefusalError",
     "Sequence",
     "SessionLost",
     "ShmPool",
@@ -65,7 +65,14 @@ _SOURCES: dict[str, str] = {
     **dict.fromkeys(["AsyncClient", "Batch", "Client", "Pin", "Sequence"], "kvd_client.client"),
     **dict.fromkeys(["Admission", "Deferred"], "kvd_client.core"),
     **dict.fromkeys(
-        ["DaemonUnavailable", "KvdError", "OutOfBlocks", "QuotaExceeded", "Refused", "SessionLost"],
+        [
+            "DaemonUnavailable",
+            "KvdError",
+            "OutOfBlocks",
+            "QuotaExceeded",
+            "RefusalError",
+            "SessionLost",
+        ],
         "kvd_client.errors",
     ),
     **dict.fromkeys(["PoolMapping", "ShmPool", "open_pool", "register_backend"], "kvd_client.pool"),

@@ -53,7 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd_client.connect import Connection, ConnectOptions
-from kvd_client.core import Admission, Deferred, Op, PinState, SeqState, Session
+from kvd_client.core import Admission, ClientSession, Deferred, Op, PinState, SeqState
 from kvd_client.errors import InvalidRequest, KvdError
 from kvd_client.pool import PoolMapping
 from kvd_client.transport import AsyncTransport, BlockingTransport
@@ -130,7 +130,7 @@ def _sequence(client: CL, op: Op[SeqState]) -> Op[Sequence[CL]]:
     return Sequence(client, (yield from op))
 
 
-def _new_sequence(client: CL, session: Session, op: Op[SeqState]) -> Op[Sequence[CL]]:
+def _new_sequence(client: CL, session: ClientSession, op: Op[SeqState]) -> Op[Sequence[CL]]:
     """`_attached` and `_sequence` in one generator (allocate: one layer less per call)."""
     if session.info is None:
         yield from session.ensure()
@@ -141,8 +141,8 @@ def _pin(client: CL, op: Op[PinState]) -> Op[Pin[CL]]:
     return Pin(client, (yield from op))
 
 
-def _attached(session: Session, op: Op[T]) -> Op[T]:
-    if session.info is None:  # the common case skips the generator of `Session.ensure`
+def _attached(session: ClientSession, op: Op[T]) -> Op[T]:
+    if session.info is None:  # the common case skips the generator of `ClientSession.ensure`
         yield from session.ensure()
     return (yield from op)
 
@@ -293,7 +293,7 @@ class Batch(_Bound[C]):
 
     __slots__ = ("_client", "_generation", "_items", "_sent", "_session")
 
-    def __init__(self, client: C, session: Session) -> None:
+    def __init__(self, client: C, session: ClientSession) -> None:
         self._client = client
         self._session = session
         self._generation = session.generation
@@ -394,7 +394,7 @@ class ClientBase(_Bound[C]):
 
     IS_ASYNC: ClassVar[bool]
 
-    def __init__(self, session: Session, address: str, timeout: float) -> None:
+    def __init__(self, session: ClientSession, address: str, timeout: float) -> None:
         self._session = session
         self._address = address
         self.timeout = timeout
@@ -536,7 +536,9 @@ class Client(ClientBase["Client"]):
 
     IS_ASYNC = False
 
-    def __init__(self, session: Session, transport: BlockingTransport, timeout: float) -> None:
+    def __init__(
+        self, session: ClientSession, transport: BlockingTransport, timeout: float
+    ) -> None:
         super().__init__(session, transport.address, timeout)
         self._transport = transport
         self._lock = threading.Lock()
@@ -572,7 +574,7 @@ class Client(ClientBase["Client"]):
             address, pool, name=name, namespace=namespace, adapter=adapter, options=options
         )
         transport = BlockingTransport(c.address, c.curve)
-        client = cls(Session(c.identity, c.on_notice), transport, c.timeout)
+        client = cls(ClientSession(c.identity, c.on_notice), transport, c.timeout)
         if pool is not None:
             try:
                 client._run(client._session.hello())
@@ -631,7 +633,7 @@ class AsyncClient(ClientBase["AsyncClient"]):
 
     IS_ASYNC = True
 
-    def __init__(self, session: Session, transport: AsyncTransport, timeout: float) -> None:
+    def __init__(self, session: ClientSession, transport: AsyncTransport, timeout: float) -> None:
         super().__init__(session, transport.address, timeout)
         self._transport = transport
         self._lock = anyio.Lock(fast_acquire=True)
@@ -653,7 +655,7 @@ class AsyncClient(ClientBase["AsyncClient"]):
 
         async def make() -> AsyncClient:
             transport = AsyncTransport(c.address, c.curve)
-            client = cls(Session(c.identity, c.on_notice), transport, c.timeout)
+            client = cls(ClientSession(c.identity, c.on_notice), transport, c.timeout)
             if pool is not None:
                 try:
                     await client._run(client._session.hello())

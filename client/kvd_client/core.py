@@ -7,16 +7,16 @@ copies on the pool mapping) and returns its value. It never touches a
 socket: the blocking and the async driver each run the same generators, and
 a batch runs several of them on one round trip. Drivers:
 
-1. ``out = op.send(None)``; encode it with `Session.encode`, send it;
-2. read messages and pass each to `Session.accept` until it returns the
+1. ``out = op.send(None)``; encode it with `ClientSession.encode`, send it;
+2. read messages and pass each to `ClientSession.accept` until it returns the
    reply (`None` means a notice or a stale reply: keep reading);
 3. ``op.send(reply)``, or ``op.throw(error)`` for a `KvdError`; repeat
    until ``StopIteration`` carries the value;
-4. finally `Session.deliver_notices`.
+4. finally `ClientSession.deliver_notices`.
 
 Sequences and pins remember the session *generation* they were made in;
 ``SESSION_LOST`` bumps the generation, which makes every older object raise
-`SessionLost`, and clears the session so that `Session.ensure` sends a new
+`SessionLost`, and clears the session so that `ClientSession.ensure` sends a new
 hello before the next session operation.
 """
 
@@ -45,59 +45,59 @@ from kvd_client.wire import (
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
     PROTOCOL_VERSION,
-    Allocate,
+    AllocateRequest,
     AllocateResult,
-    Append,
+    AppendRequest,
     AppendResult,
     BatchResult,
-    CanAllocate,
+    CanAllocateRequest,
     CanAllocateResult,
-    Check,
+    CheckRequest,
     CheckResult,
-    Clients,
+    ClientsRequest,
     Code,
-    Commit,
+    CommitRequest,
     CommitResult,
     ErrorReply,
-    Flush,
+    FlushRequest,
     FlushResult,
-    Fork,
+    ForkRequest,
     ForkResult,
-    Free,
-    Goodbye,
-    Heartbeat,
-    Hello,
+    FreeRequest,
+    GoodbyeRequest,
+    HeartbeatRequest,
+    HelloRequest,
     HelloResult,
     InfoResult,
     Notice,
     OkReply,
     OpResult,
-    Pin,
-    Ping,
+    PingRequest,
     PingResult,
+    PinRequest,
     PinResult,
     PoolLayout,
-    Pools,
+    PoolsRequest,
     ProtocolError,
     Request,
     Result,
-    Stats,
-    Truncate,
+    StatsRequest,
+    TruncateRequest,
     TruncateResult,
-    Unpin,
+    UnpinRequest,
     decode_reply,
     encode_batch,
 )
 
 __all__ = [
     "Admission",
+    "ClientSession",
     "Deferred",
     "Identity",
     "Op",
     "Outgoing",
     "PinState",
     "SeqState",
-    "Session",
 ]
 
 T = TypeVar("T")
@@ -150,7 +150,7 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True)
-class _BatchRequest:
+class _OutgoingBatch:
     id: int
     ops: tuple[Request, ...]
 
@@ -195,7 +195,7 @@ def _frozen(arr: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
     return arr
 
 
-class Session:
+class ClientSession:
     """State of one connection: identity, hello result, ids, generation, pool mapping."""
 
     def __init__(self, identity: Identity, on_notice: NoticeCallback | None = None) -> None:
@@ -292,7 +292,7 @@ class Session:
         self.require_session()
         ident = self.identity
         assert ident.pool is not None
-        reply = yield Hello(
+        reply = yield HelloRequest(
             id=self.next_id(),
             version=PROTOCOL_VERSION,
             pool=ident.pool,
@@ -347,7 +347,7 @@ class Session:
     ) -> Op[SeqState]:
         """Allocate ``seq_id`` for ``tokens`` (longest cached prefix first)."""
         self.require_session()
-        req = Allocate(
+        req = AllocateRequest(
             id=self.next_id(),
             seq=_name(seq_id, "sequence id"),
             tokens=np.asarray(tokens),
@@ -361,7 +361,7 @@ class Session:
     def can_allocate(self, num_tokens: int, reserve: int | None = None) -> Op[Admission]:
         """Would an allocation of ``num_tokens`` (reserving ``reserve``) be admitted now?"""
         self.require_session()
-        req = CanAllocate(
+        req = CanAllocateRequest(
             id=self.next_id(),
             tokens=_count(num_tokens, "num_tokens"),
             reserve=_opt_count(reserve, "reserve"),
@@ -372,19 +372,19 @@ class Session:
     def heartbeat(self) -> Op[None]:
         """Renew the lease."""
         self.require_session()
-        yield Heartbeat(id=self.next_id())
+        yield HeartbeatRequest(id=self.next_id())
 
     def goodbye(self) -> Op[None]:
         """Close the session (no-op when not attached); older objects become dead."""
         if self.info is None:
             return
         try:
-            yield Goodbye(id=self.next_id())
+            yield GoodbyeRequest(id=self.next_id())
         finally:
             self.lose()
 
     def run_batch(self, items: Sequence[Deferred[Any]], generation: int) -> Op[None]:
-        """Send every queued operation in one `Batch`, then settle each item."""
+        """Send every queued operation in one `BatchRequest`, then settle each item."""
         if generation != self.generation:
             exc = SessionLost("the session was lost while this batch was being built")
             for item in items:
@@ -395,7 +395,7 @@ class Session:
         try:
             yield from self.ensure()
             self.fence()
-            reply = yield _BatchRequest(self.next_id(), tuple(item.request for item in items))
+            reply = yield _OutgoingBatch(self.next_id(), tuple(item.request for item in items))
             res = _result(BatchResult, reply)
             if len(res.results) != len(items):
                 raise InternalError(f"{len(res.results)} batch results for {len(items)} ops")
@@ -412,29 +412,29 @@ class Session:
     def stats(self, sections: Iterable[str] | None = None) -> Op[dict[str, Any]]:
         """Statistics by section (all when ``sections`` is None)."""
         names = None if sections is None else [_name(s, "section") for s in sections]
-        reply = yield Stats(id=self.next_id(), sections=names)
+        reply = yield StatsRequest(id=self.next_id(), sections=names)
         return _result(InfoResult, reply).info
 
     def clients(self) -> Op[dict[str, Any]]:
         """The connected sessions."""
-        return _result(InfoResult, (yield Clients(id=self.next_id()))).info
+        return _result(InfoResult, (yield ClientsRequest(id=self.next_id()))).info
 
     def pools(self) -> Op[dict[str, Any]]:
         """The pools, their layouts and usage."""
-        return _result(InfoResult, (yield Pools(id=self.next_id()))).info
+        return _result(InfoResult, (yield PoolsRequest(id=self.next_id()))).info
 
     def check(self) -> Op[CheckResult]:
         """Run the daemon's invariant checks."""
-        return _result(CheckResult, (yield Check(id=self.next_id())))
+        return _result(CheckResult, (yield CheckRequest(id=self.next_id())))
 
     def flush(self, namespace: str | None = None) -> Op[int]:
         """Drop evictable cached blocks (of ``namespace``); returns how many."""
         ns = None if namespace is None else _name(namespace, "namespace")
-        return _result(FlushResult, (yield Flush(id=self.next_id(), namespace=ns))).dropped
+        return _result(FlushResult, (yield FlushRequest(id=self.next_id(), namespace=ns))).dropped
 
     def ping(self) -> Op[PingResult]:
         """The daemon's epoch and protocol version."""
-        return _result(PingResult, (yield Ping(id=self.next_id())))
+        return _result(PingResult, (yield PingRequest(id=self.next_id())))
 
 
 class SeqState:
@@ -453,7 +453,7 @@ class SeqState:
 
     def __init__(
         self,
-        session: Session,
+        session: ClientSession,
         seq_id: str,
         table: npt.NDArray[np.int32],
         *,
@@ -486,7 +486,7 @@ class SeqState:
         self.check_alive()
         s = self.session
         s.fence()
-        req = Commit(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))
+        req = CommitRequest(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))
         res = _result(CommitResult, (yield req))
         self.committed = res.committed
         return res
@@ -496,7 +496,8 @@ class SeqState:
         self.check_alive()
         s = self.session
         res = _result(
-            AppendResult, (yield Append(id=s.next_id(), seq=self.seq_id, tokens=np.asarray(tokens)))
+            AppendResult,
+            (yield AppendRequest(id=s.next_id(), seq=self.seq_id, tokens=np.asarray(tokens))),
         )
         if not 0 <= res.start <= len(self.table) or len(res.copies) % 2:
             raise InternalError(f"inconsistent append result for {self.seq_id!r}: {res}")
@@ -511,7 +512,7 @@ class SeqState:
         """A new sequence ``child_id`` sharing every block."""
         self.check_alive()
         s = self.session
-        req = Fork(
+        req = ForkRequest(
             id=s.next_id(),
             seq=self.seq_id,
             child=_name(child_id, "child sequence id"),
@@ -533,7 +534,8 @@ class SeqState:
         s = self.session
         s.fence()
         res = _result(
-            TruncateResult, (yield Truncate(id=s.next_id(), seq=self.seq_id, n=_count(n, "n")))
+            TruncateResult,
+            (yield TruncateRequest(id=s.next_id(), seq=self.seq_id, n=_count(n, "n"))),
         )
         if not 0 <= res.num_blocks <= len(self.table):
             raise InternalError(f"inconsistent truncate result for {self.seq_id!r}: {res}")
@@ -546,14 +548,16 @@ class SeqState:
         """Release the sequence (committed full blocks stay cached)."""
         self.check_alive()
         self.session.fence()
-        yield Free(id=self.session.next_id(), seq=self.seq_id)
+        yield FreeRequest(id=self.session.next_id(), seq=self.seq_id)
         self.freed = True
 
     def pin(self, n: int | None = None) -> Op[PinState]:
         """Pin the committed full blocks of the first ``n`` tokens."""
         self.check_alive()
         s = self.session
-        res = _result(PinResult, (yield Pin(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n"))))
+        res = _result(
+            PinResult, (yield PinRequest(id=s.next_id(), seq=self.seq_id, n=_opt_count(n, "n")))
+        )
         return PinState(s, res.pin, res.blocks)
 
 
@@ -562,7 +566,7 @@ class PinState:
 
     __slots__ = ("blocks", "generation", "pin_id", "released", "session")
 
-    def __init__(self, session: Session, pin_id: int, blocks: int) -> None:
+    def __init__(self, session: ClientSession, pin_id: int, blocks: int) -> None:
         self.session = session
         self.pin_id = pin_id
         self.blocks = blocks
@@ -575,7 +579,7 @@ class PinState:
             raise SessionLost(f"pin {self.pin_id} belonged to a session that is gone")
         if self.released:
             raise NotFound(f"pin {self.pin_id} was released")
-        yield Unpin(id=self.session.next_id(), pin=self.pin_id)
+        yield UnpinRequest(id=self.session.next_id(), pin=self.pin_id)
         self.released = True
 
 
@@ -625,7 +629,7 @@ class Deferred(Generic[T]):
             self._op.close()
             self._error, self._done = exc, True
 
-    def settle(self, session: Session, entry: Any) -> None:
+    def settle(self, session: ClientSession, entry: Any) -> None:
         """Feed this operation its entry of the batch reply."""
         try:
             r = entry.get("ok") is True and entry.get("r") if type(entry) is dict else None

@@ -5,7 +5,7 @@ Every error reply of the daemon becomes the class registered for its code in
 own condition (nothing answered at an address within the timeout) and has
 the client-only code ``UNAVAILABLE``.
 
-`Refused` groups the capacity outcomes (`OutOfBlocks`, `QuotaExceeded`):
+`RefusalError` groups the capacity outcomes (`OutOfBlocks`, `QuotaExceeded`):
 the daemon changed nothing and the same request may succeed later.
 """
 
@@ -30,7 +30,7 @@ __all__ = [
     "OutOfBlocks",
     "QuotaExceeded",
     "RateLimited",
-    "Refused",
+    "RefusalError",
     "SessionLost",
     "ShuttingDown",
     "TooLarge",
@@ -57,17 +57,17 @@ class KvdError(Exception):
         super().__init__(f"{self.code}: {message}")
 
 
-class Refused(KvdError):
+class RefusalError(KvdError):
     """The daemon cannot serve this now and changed nothing (capacity)."""
 
 
-class OutOfBlocks(Refused):
+class OutOfBlocks(RefusalError):
     """The pool cannot provide the blocks or the reservation now."""
 
     CODE = Code.OUT_OF_BLOCKS
 
 
-class QuotaExceeded(Refused):
+class QuotaExceeded(RefusalError):
     """The session's or namespace's hard quota would be exceeded."""
 
     CODE = Code.QUOTA_EXCEEDED

@@ -248,7 +248,7 @@ class Dispatcher:
             if self.on_events is not None:
                 self._publish_events()
 
-    def _batch(self, req: wire.Batch, call: SessionCall) -> Outcome:
+    def _batch(self, req: wire.BatchRequest, call: SessionCall) -> Outcome:
         if len(req.ops) > wire.MAX_BATCH_OPS:
             raise RequestError(wire.Code.TOO_LARGE, f"more than {wire.MAX_BATCH_OPS} operations")
         # The batch's token frame is decoded once; each op takes a slice of it.

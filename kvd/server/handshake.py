@@ -36,7 +36,7 @@ _EMPTY: Final[dict[str, Any]] = {}
 class PendingHello:
     """A hello whose pool must be created first (by the daemon, off the request thread)."""
 
-    req: wire.Hello
+    req: wire.HelloRequest
     call: Call
     config: PoolConfig
 
@@ -56,7 +56,7 @@ class Handshake:
         self.limiter = limiter
         self.publish = publish
 
-    def hello(self, req: wire.Hello, call: Call) -> wire.HelloResult | PendingHello:
+    def hello(self, req: wire.HelloRequest, call: Call) -> wire.HelloResult | PendingHello:
         """Attach to ``req.pool``, or (``create``, no such pool) the pending creation."""
         if req.version != wire.PROTOCOL_VERSION:
             raise RequestError(
@@ -76,7 +76,7 @@ class Handshake:
             wire.Code.NOT_FOUND, f"no pool {req.pool!r} (have: {', '.join(sorted(pools.names()))})"
         )
 
-    def attach(self, req: wire.Hello, call: Call) -> wire.HelloResult:
+    def attach(self, req: wire.HelloRequest, call: Call) -> wire.HelloResult:
         """Open a session on the existing pool ``req.pool`` (MISMATCH, BUSY change nothing)."""
         state = self.state
         pool = state.pools[req.pool]
@@ -143,11 +143,11 @@ class Handshake:
             max_message_bytes=wire.MAX_MESSAGE_BYTES,
         )
 
-    def heartbeat(self, req: wire.Heartbeat, call: SessionCall) -> dict[str, Any]:
+    def heartbeat(self, req: wire.HeartbeatRequest, call: SessionCall) -> dict[str, Any]:
         """Nothing: the lookup of the session renewed its lease."""
         return _EMPTY
 
-    def goodbye(self, req: wire.Goodbye, call: SessionCall) -> dict[str, Any]:
+    def goodbye(self, req: wire.GoodbyeRequest, call: SessionCall) -> dict[str, Any]:
         """Close the caller's session (sequences freed, committed blocks stay cached)."""
         self.close(call.session, "goodbye")
         return _EMPTY

@@ -50,10 +50,10 @@ class Info:
         #: Each pool's pressure level at the last notice.
         self._pressure: dict[str, int] = {}
 
-    def ping(self, req: wire.Ping, call: Call) -> Outcome:
+    def ping(self, req: wire.PingRequest, call: Call) -> Outcome:
         return {"epoch": self.state.epoch, "version": wire.PROTOCOL_VERSION}
 
-    def check(self, req: wire.Check, call: Call) -> Outcome:
+    def check(self, req: wire.CheckRequest, call: Call) -> Outcome:
         problems: list[str] = []
         for pool in self.state.pools:
             try:
@@ -64,12 +64,12 @@ class Info:
             log.error("invariants_violated", problems=problems)
         return wire.CheckResult(ok=not problems, problems=problems)
 
-    def flush(self, req: wire.Flush, call: Call) -> Outcome:
+    def flush(self, req: wire.FlushRequest, call: Call) -> Outcome:
         dropped = sum(pool.engine.flush(req.namespace) for pool in self.state.pools)
         log.info("flushed", namespace=req.namespace, dropped=dropped)
         return wire.FlushResult(dropped=dropped)
 
-    def clients(self, req: wire.Clients, call: Call) -> Outcome:
+    def clients(self, req: wire.ClientsRequest, call: Call) -> Outcome:
         state = self.state
         now = state.sessions.clock()
         usage = {pool.name: pool.engine.stats().session_usage for pool in state.pools}
@@ -78,7 +78,7 @@ class Info:
         ]
         return wire.InfoResult(info={"sessions": listing})
 
-    def pools(self, req: wire.Pools, call: Call) -> Outcome:
+    def pools(self, req: wire.PoolsRequest, call: Call) -> Outcome:
         by_pool = Counter(s.pool for s in self.state.sessions)
         info = {
             pool.name: {
@@ -93,7 +93,7 @@ class Info:
         }
         return wire.InfoResult(info={"pools": info})
 
-    def stats_request(self, req: wire.Stats, call: Call) -> Outcome:
+    def stats_request(self, req: wire.StatsRequest, call: Call) -> Outcome:
         sections = self.stats()
         if req.sections is not None:
             wanted = {str(s) for s in req.sections}

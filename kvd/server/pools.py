@@ -168,7 +168,7 @@ class Pools:
     # ------------------------------------------------------------------
     # Runtime pools
 
-    def ask(self, req: wire.Hello) -> PoolConfig:
+    def ask(self, req: wire.HelloRequest) -> PoolConfig:
         """Check a hello's request to create pool ``req.pool`` and record it; its config.
 
         Raises `RequestError` and records nothing: FORBIDDEN when runtime pools

@@ -51,7 +51,7 @@ class SequenceHandlers:
         if refusal is not None:
             raise refusal
 
-    def allocate(self, req: wire.Allocate, call: SessionCall) -> Outcome:
+    def allocate(self, req: wire.AllocateRequest, call: SessionCall) -> Outcome:
         engine, sid = call.engine, call.session.id
         self._check_size(req, engine, sid)
         r = engine.allocate(sid, req.seq, req.tokens, reserve=req.reserve)
@@ -63,11 +63,11 @@ class SequenceHandlers:
             "reserved": r.reserved_blocks,
         }
 
-    def commit(self, req: wire.Commit, call: SessionCall) -> Outcome:
+    def commit(self, req: wire.CommitRequest, call: SessionCall) -> Outcome:
         c = call.engine.commit(call.session.id, req.seq, req.n)
         return {"committed": c.committed, "cached_blocks": c.cached_blocks}
 
-    def append(self, req: wire.Append, call: SessionCall) -> Outcome:
+    def append(self, req: wire.AppendRequest, call: SessionCall) -> Outcome:
         sid = call.session.id
         if self.limits.max_tokens and len(req.tokens) > self.limits.max_tokens:
             self._check_size(req, None, sid)
@@ -82,7 +82,7 @@ class SequenceHandlers:
             "length": a.length,
         }
 
-    def fork(self, req: wire.Fork, call: SessionCall) -> Outcome:
+    def fork(self, req: wire.ForkRequest, call: SessionCall) -> Outcome:
         engine, sid = call.engine, call.session.id
         self._check_size(req, engine, sid)
         f = engine.fork(sid, req.seq, req.child, reserve=req.reserve)
@@ -90,24 +90,24 @@ class SequenceHandlers:
             return f
         return {"table": _blocks(f.table)}
 
-    def truncate(self, req: wire.Truncate, call: SessionCall) -> Outcome:
+    def truncate(self, req: wire.TruncateRequest, call: SessionCall) -> Outcome:
         t = call.engine.truncate(call.session.id, req.seq, req.n)
         return {"length": t.length, "num_blocks": t.num_blocks}
 
-    def free(self, req: wire.Free, call: SessionCall) -> Outcome:
+    def free(self, req: wire.FreeRequest, call: SessionCall) -> Outcome:
         call.engine.free(call.session.id, req.seq)
         return _EMPTY
 
-    def pin(self, req: wire.Pin, call: SessionCall) -> Outcome:
+    def pin(self, req: wire.PinRequest, call: SessionCall) -> Outcome:
         p = call.engine.pin(call.session.id, req.seq, req.n)
         if isinstance(p, Refusal):
             return p
         return {"pin": p.pin_id, "blocks": p.blocks}
 
-    def unpin(self, req: wire.Unpin, call: SessionCall) -> Outcome:
+    def unpin(self, req: wire.UnpinRequest, call: SessionCall) -> Outcome:
         call.engine.unpin(call.session.id, req.pin)
         return _EMPTY
 
-    def can_allocate(self, req: wire.CanAllocate, call: SessionCall) -> Outcome:
+    def can_allocate(self, req: wire.CanAllocateRequest, call: SessionCall) -> Outcome:
         ok, available = call.engine.can_allocate(call.session.id, req.tokens, reserve=req.reserve)
         return {"ok": ok, "available": available}

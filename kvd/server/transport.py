@@ -73,7 +73,7 @@ def probe_daemon(ctx: zmq.Context[zmq.Socket[bytes]], address: str, timeout_ms: 
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send_multipart(wire.Ping(id=1).encode(), zmq.NOBLOCK)
+        sock.send_multipart(wire.PingRequest(id=1).encode(), zmq.NOBLOCK)
         if not sock.poll(timeout_ms, zmq.POLLIN):
             return False
         frames = sock.recv_multipart()

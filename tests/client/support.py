@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 from kvd_client import wire
-from kvd_client.core import Op, Session
+from kvd_client.core import ClientSession, Op
 from kvd_client.errors import KvdError
 from kvd_client.wire import PoolLayout
 
@@ -64,9 +64,9 @@ def blocks(*ids: int) -> np.ndarray[Any, np.dtype[np.int32]]:
 
 class Wire:
     """Drives core operations by hand: each request is decoded by the real decoder,
-    each reply is built with the real encoders and passed through `Session.accept`."""
+    each reply is built with the real encoders and passed through `ClientSession.accept`."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: ClientSession) -> None:
         self.session = session
         self.sent: list[wire.Request] = []
 

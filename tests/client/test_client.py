@@ -30,41 +30,41 @@ def daemon_like(
     def handle(req: wire.Request) -> list[list[bytes]]:
         rid = req.id  # type: ignore[attr-defined]
         match req:
-            case wire.Hello():
+            case wire.HelloRequest():
                 return [wire.encode_ok(rid, hello_result(LAYOUT, memory, session=next(ids)))]
-            case wire.Allocate():
+            case wire.AllocateRequest():
                 n = (len(req.tokens) + 3) // 4
                 return [
                     wire.encode_ok(
                         rid, wire.AllocateResult(table=blocks(*range(n)), cached=0, reserved=0)
                     )
                 ]
-            case wire.Commit():
+            case wire.CommitRequest():
                 return [
                     wire.encode_ok(rid, wire.CommitResult(committed=req.n or 0, cached_blocks=0))
                 ]
-            case wire.Batch():
+            case wire.BatchRequest():
                 ok = {"ok": True, "r": {"committed": 1, "cached_blocks": 0}}
                 return [wire.encode_ok(rid, wire.BatchResult(results=[ok] * len(req.ops)))]
-            case wire.Ping():
+            case wire.PingRequest():
                 return [wire.encode_ok(rid, wire.PingResult(epoch=99, version=1))]
-            case wire.Fork():
+            case wire.ForkRequest():
                 return [wire.encode_ok(rid, wire.ForkResult(table=blocks(0, 1, 2)))]
-            case wire.Append():
+            case wire.AppendRequest():
                 # The last block (2) is shared: move to a private copy (5).
                 result = wire.AppendResult(
                     start=2, blocks=blocks(5), copies=blocks(2, 5), length=11
                 )
                 return [wire.encode_ok(rid, result)]
-            case wire.Truncate():
+            case wire.TruncateRequest():
                 return [
                     wire.encode_ok(
                         rid, wire.TruncateResult(length=req.n, num_blocks=(req.n + 3) // 4)
                     )
                 ]
-            case wire.Pin():
+            case wire.PinRequest():
                 return [wire.encode_ok(rid, wire.PinResult(pin=4, blocks=2))]
-            case wire.CanAllocate():
+            case wire.CanAllocateRequest():
                 return [
                     wire.encode_ok(rid, wire.CanAllocateResult(ok=req.tokens <= 32, available=8))
                 ]
@@ -84,7 +84,13 @@ def test_blocking_client_runs_a_request_lifecycle(router: StartRouter) -> None:
         seq.free()
         assert not seq.alive
     kinds = [type(q).__name__ for q in r.requests]
-    assert kinds == ["Hello", "Allocate", "Commit", "Free", "Goodbye"]
+    assert kinds == [
+        "HelloRequest",
+        "AllocateRequest",
+        "CommitRequest",
+        "FreeRequest",
+        "GoodbyeRequest",
+    ]
     assert r.requests[0].name == "unit"  # type: ignore[attr-defined]
 
 
@@ -100,7 +106,14 @@ def test_async_client_runs_the_same_lifecycle(router: StartRouter) -> None:
 
     anyio.run(main)
     kinds = [type(q).__name__ for q in r.requests]
-    assert kinds == ["Hello", "Allocate", "Commit", "Free", "Ping", "Goodbye"]
+    assert kinds == [
+        "HelloRequest",
+        "AllocateRequest",
+        "CommitRequest",
+        "FreeRequest",
+        "PingRequest",
+        "GoodbyeRequest",
+    ]
 
 
 def test_both_clients_share_one_definition_of_each_operation() -> None:
@@ -115,7 +128,7 @@ def test_session_lost_raises_once_then_reattaches(router: StartRouter) -> None:
     base = daemon_like()
 
     def handle(req: wire.Request) -> list[list[bytes]]:
-        if isinstance(req, wire.Allocate) and next(lost, False):
+        if isinstance(req, wire.AllocateRequest) and next(lost, False):
             return [wire.encode_error(req.id, wire.Code.SESSION_LOST, "daemon restarted")]
         return base(req)
 
@@ -127,7 +140,13 @@ def test_session_lost_raises_once_then_reattaches(router: StartRouter) -> None:
         seq = kv.allocate("a", [1, 2])
         assert kv.session_id == 2 and seq.alive
     kinds = [type(q).__name__ for q in r.requests]
-    assert kinds == ["Hello", "Allocate", "Hello", "Allocate", "Goodbye"]
+    assert kinds == [
+        "HelloRequest",
+        "AllocateRequest",
+        "HelloRequest",
+        "AllocateRequest",
+        "GoodbyeRequest",
+    ]
     assert r.requests[2].layout == LAYOUT.to_dict()  # type: ignore[attr-defined]
 
 
@@ -139,7 +158,7 @@ def test_batch_is_one_round_trip(router: StartRouter) -> None:
             items = [b.commit(s, 1) for s in seqs]
         assert [item.result().committed for item in items] == [1, 1, 1]
     batch = r.requests[-2]
-    assert isinstance(batch, wire.Batch) and len(batch.ops) == 3
+    assert isinstance(batch, wire.BatchRequest) and len(batch.ops) == 3
 
 
 def test_async_batch(router: StartRouter) -> None:
@@ -153,7 +172,7 @@ def test_async_batch(router: StartRouter) -> None:
             assert item.result().committed == 1
 
     anyio.run(main)
-    assert isinstance(r.requests[-2], wire.Batch)
+    assert isinstance(r.requests[-2], wire.BatchRequest)
 
 
 def test_batch_context_must_match_the_client_kind(router: StartRouter) -> None:
@@ -179,7 +198,7 @@ def test_batch_refuses_a_sequence_of_another_client(router: StartRouter) -> None
 
 def test_refusal_reaches_the_caller_as_its_class(router: StartRouter) -> None:
     def handle(req: wire.Request) -> list[list[bytes]]:
-        if isinstance(req, wire.Allocate):
+        if isinstance(req, wire.AllocateRequest):
             return [wire.encode_error(req.id, wire.Code.OUT_OF_BLOCKS, "pool full")]
         return daemon_like()(req)
 
@@ -192,7 +211,7 @@ def test_notices_reach_the_callback(router: StartRouter) -> None:
     base = daemon_like()
 
     def handle(req: wire.Request) -> list[list[bytes]]:
-        if isinstance(req, wire.Ping):
+        if isinstance(req, wire.PingRequest):
             return [wire.encode_notice("pressure", {"pool": "default", "usage": 0.9}), *base(req)]
         return base(req)
 
@@ -235,7 +254,7 @@ def test_operator_connection_sends_no_hello(router: StartRouter) -> None:
         assert kv.ping().epoch == 99
         with pytest.raises(InvalidRequest, match="no pool"):
             kv.allocate("a", [1])
-    assert [type(q).__name__ for q in r.requests] == ["Ping"]
+    assert [type(q).__name__ for q in r.requests] == ["PingRequest"]
 
 
 def test_bad_identity_is_refused_before_connecting() -> None:
@@ -263,16 +282,16 @@ def test_sequence_operations_through_the_blocking_client(
         pin.unpin()
     kinds = [type(q).__name__ for q in r.requests]
     assert kinds[1:] == [
-        "CanAllocate",
-        "CanAllocate",
-        "Heartbeat",
-        "Allocate",
-        "Fork",
-        "Append",
-        "Truncate",
-        "Pin",
-        "Unpin",
-        "Goodbye",
+        "CanAllocateRequest",
+        "CanAllocateRequest",
+        "HeartbeatRequest",
+        "AllocateRequest",
+        "ForkRequest",
+        "AppendRequest",
+        "TruncateRequest",
+        "PinRequest",
+        "UnpinRequest",
+        "GoodbyeRequest",
     ]
 
 
@@ -305,7 +324,7 @@ def test_a_client_can_be_shared_by_threads(router: StartRouter) -> None:
         for t in threads:
             t.join()
     assert errors == []
-    assert sum(isinstance(q, wire.Ping) for q in r.requests) == 200
+    assert sum(isinstance(q, wire.PingRequest) for q in r.requests) == 200
 
 
 def test_an_async_client_can_be_shared_by_tasks(router: StartRouter) -> None:
@@ -323,4 +342,4 @@ def test_an_async_client_can_be_shared_by_tasks(router: StartRouter) -> None:
                     tg.start_soon(work)
 
     anyio.run(main)
-    assert sum(isinstance(q, wire.Ping) for q in r.requests) == 120
+    assert sum(isinstance(q, wire.PingRequest) for q in r.requests) == 120

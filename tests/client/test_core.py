@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kvd_client import wire
-from kvd_client.core import Admission, Deferred, Identity, SeqState, Session
+from kvd_client.core import Admission, ClientSession, Deferred, Identity, SeqState
 from kvd_client.errors import (
     AlreadyExists,
     InternalError,
@@ -26,9 +26,9 @@ from .support import LAYOUT, Wire, blocks, hello_result, shm_handle
 PoolFile = Callable[[PoolLayout], Path]
 
 
-def attached(pool_file: PoolFile | None = None, **hello: Any) -> tuple[Session, Wire]:
+def attached(pool_file: PoolFile | None = None, **hello: Any) -> tuple[ClientSession, Wire]:
     """A session after a hello answered with LAYOUT (and a real pool file when given)."""
-    session = Session(Identity(pool="default", name="test"))
+    session = ClientSession(Identity(pool="default", name="test"))
     peer = Wire(session)
     memory = shm_handle(pool_file(LAYOUT), LAYOUT) if pool_file else {"backend": "none"}
     peer.start(session.hello())
@@ -37,7 +37,7 @@ def attached(pool_file: PoolFile | None = None, **hello: Any) -> tuple[Session, 
 
 
 def allocated(
-    session: Session, peer: Wire, tokens: int = 10, table: tuple[int, ...] = (0, 1, 2)
+    session: ClientSession, peer: Wire, tokens: int = 10, table: tuple[int, ...] = (0, 1, 2)
 ) -> SeqState:
     peer.start(session.allocate("r", np.arange(tokens)))
     state = peer.ok(wire.AllocateResult(table=blocks(*table), cached=4, reserved=0))
@@ -49,10 +49,12 @@ def allocated(
 
 
 def test_hello_sends_identity_and_stores_the_session() -> None:
-    session = Session(Identity(pool="p", name="worker", namespace="tenant-a", adapter="lora1"))
+    session = ClientSession(
+        Identity(pool="p", name="worker", namespace="tenant-a", adapter="lora1")
+    )
     peer = Wire(session)
     req = peer.start(session.hello())
-    assert isinstance(req, wire.Hello)
+    assert isinstance(req, wire.HelloRequest)
     assert (req.version, req.pool, req.name, req.namespace, req.adapter) == (
         wire.PROTOCOL_VERSION,
         "p",
@@ -69,9 +71,9 @@ def test_hello_sends_identity_and_stores_the_session() -> None:
 
 
 def test_a_required_layout_is_sent_in_the_hello() -> None:
-    session = Session(Identity(pool="p", name="w", layout=LAYOUT, hash_seed="seed"))
+    session = ClientSession(Identity(pool="p", name="w", layout=LAYOUT, hash_seed="seed"))
     req = Wire(session).start(session.hello())
-    assert isinstance(req, wire.Hello)
+    assert isinstance(req, wire.HelloRequest)
     assert req.layout == LAYOUT.to_dict()
     assert req.hash_seed == "seed"
 
@@ -92,7 +94,7 @@ def test_ensure_reattaches_with_the_layout_of_the_first_session() -> None:
     session, peer = attached()
     session.lose()
     req = peer.start(session.ensure())
-    assert isinstance(req, wire.Hello)
+    assert isinstance(req, wire.HelloRequest)
     assert req.layout == LAYOUT.to_dict()
     assert req.hash_seed == "vllm-none-hash"
     peer.ok(hello_result(LAYOUT, {"backend": "none"}, session=8))
@@ -106,17 +108,17 @@ def test_ensure_does_nothing_while_attached() -> None:
 
 
 def test_operator_connection_refuses_session_operations() -> None:
-    session = Session(Identity(pool=None, name="kvd-ctl"))
+    session = ClientSession(Identity(pool=None, name="kvd-ctl"))
     with pytest.raises(InvalidRequest, match="no pool"):
         next(session.allocate("r", [1]))
     req = Wire(session).start(session.stats(["server"]))
-    assert isinstance(req, wire.Stats) and req.sections == ["server"]
+    assert isinstance(req, wire.StatsRequest) and req.sections == ["server"]
 
 
 def test_goodbye_closes_the_session() -> None:
     session, peer = attached()
     seq = allocated(session, peer)
-    assert isinstance(peer.start(session.goodbye()), wire.Goodbye)
+    assert isinstance(peer.start(session.goodbye()), wire.GoodbyeRequest)
     peer.ok(wire.Empty())
     assert not session.attached and not seq.alive
 
@@ -183,7 +185,7 @@ def test_request_above_the_daemons_limit_is_refused_before_sending() -> None:
 def test_allocate_sends_int32_tokens_and_builds_the_table() -> None:
     session, peer = attached()
     req = peer.start(session.allocate("req-7", [5, 6, 7, 8, 9], reserve=32))
-    assert isinstance(req, wire.Allocate)
+    assert isinstance(req, wire.AllocateRequest)
     assert req.tokens.dtype == np.int32 and req.tokens.tolist() == [5, 6, 7, 8, 9]
     assert (req.seq, req.reserve) == ("req-7", 32)
     seq = peer.ok(wire.AllocateResult(table=blocks(3, 4), cached=4, reserved=6))
@@ -226,7 +228,7 @@ def test_commit_records_the_committed_count() -> None:
     session, peer = attached()
     seq = allocated(session, peer)
     req = peer.start(seq.commit(8))
-    assert isinstance(req, wire.Commit) and (req.seq, req.n) == ("r", 8)
+    assert isinstance(req, wire.CommitRequest) and (req.seq, req.n) == ("r", 8)
     assert peer.ok(wire.CommitResult(committed=8, cached_blocks=2)).cached_blocks == 2
     assert seq.committed == 8
 
@@ -235,7 +237,7 @@ def test_append_replaces_the_table_tail() -> None:
     session, peer = attached()
     seq = allocated(session, peer, tokens=12, table=(0, 1, 2))
     req = peer.start(seq.append([1, 2, 3, 4, 5]))
-    assert isinstance(req, wire.Append) and req.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert isinstance(req, wire.AppendRequest) and req.tokens.tolist() == [1, 2, 3, 4, 5]
     peer.ok(wire.AppendResult(start=3, blocks=blocks(6, 7), copies=blocks(), length=17))
     assert seq.table.tolist() == [0, 1, 2, 6, 7]
     assert seq.length == 17
@@ -267,7 +269,11 @@ def test_fork_shares_the_parent_state() -> None:
     session, peer = attached()
     seq = allocated(session, peer)
     req = peer.start(seq.fork("r.1", reserve=20))
-    assert isinstance(req, wire.Fork) and (req.seq, req.child, req.reserve) == ("r", "r.1", 20)
+    assert isinstance(req, wire.ForkRequest) and (req.seq, req.child, req.reserve) == (
+        "r",
+        "r.1",
+        20,
+    )
     child = peer.ok(wire.ForkResult(table=blocks(0, 1, 2)))
     assert (child.seq_id, child.table.tolist(), child.length) == ("r.1", [0, 1, 2], 10)
 
@@ -286,7 +292,7 @@ def test_truncate_keeps_the_head_of_the_table() -> None:
 def test_free_marks_the_sequence_and_later_use_is_not_found_locally() -> None:
     session, peer = attached()
     seq = allocated(session, peer)
-    assert isinstance(peer.start(seq.free()), wire.Free)
+    assert isinstance(peer.start(seq.free()), wire.FreeRequest)
     peer.ok(wire.Empty())
     sent = len(peer.sent)
     with pytest.raises(NotFound, match="freed"):
@@ -309,7 +315,7 @@ def test_pin_and_unpin() -> None:
     peer.start(seq.pin(8))
     pin = peer.ok(wire.PinResult(pin=3, blocks=2))
     req = peer.start(pin.unpin())
-    assert isinstance(req, wire.Unpin) and req.pin == 3
+    assert isinstance(req, wire.UnpinRequest) and req.pin == 3
     peer.ok(wire.Empty())
     with pytest.raises(NotFound, match="released"):
         next(pin.unpin())
@@ -345,7 +351,7 @@ def test_batch_settles_each_operation_on_its_own() -> None:
         Deferred(session.allocate("r", [1])),
     ]
     req = peer.start(session.run_batch(items, session.generation))
-    assert isinstance(req, wire.Batch)
+    assert isinstance(req, wire.BatchRequest)
     assert [op[0] for op in req.ops] == [wire.Kind.ALLOCATE, wire.Kind.COMMIT, wire.Kind.ALLOCATE]
     results = [
         wire.OpResult(
@@ -392,7 +398,7 @@ def test_batch_result_count_mismatch_is_an_internal_error() -> None:
 
 def test_unbatchable_operation_is_refused() -> None:
     session, _ = attached()
-    with pytest.raises(InvalidRequest, match="Ping cannot be batched"):
+    with pytest.raises(InvalidRequest, match="PingRequest cannot be batched"):
         Deferred(session.ping())
 
 

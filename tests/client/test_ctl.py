@@ -54,9 +54,9 @@ def handler(check_ok: bool = True) -> Callable[[wire.Request], list[list[bytes]]
     def handle(req: wire.Request) -> list[list[bytes]]:
         rid = req.id  # type: ignore[attr-defined]
         match req:
-            case wire.Stats(sections=None):
+            case wire.StatsRequest(sections=None):
                 return [wire.encode_ok(rid, wire.InfoResult(info=STATS))]
-            case wire.Stats(sections=wanted):
+            case wire.StatsRequest(sections=wanted):
                 if set(wanted) - STATS.keys():
                     return [
                         wire.encode_error(
@@ -64,21 +64,21 @@ def handler(check_ok: bool = True) -> Callable[[wire.Request], list[list[bytes]]
                         )
                     ]
                 return [wire.encode_ok(rid, wire.InfoResult(info={k: STATS[k] for k in wanted}))]
-            case wire.Clients():
+            case wire.ClientsRequest():
                 return [wire.encode_ok(rid, wire.InfoResult(info=CLIENTS))]
-            case wire.Pools():
+            case wire.PoolsRequest():
                 return [
                     wire.encode_ok(
                         rid,
                         wire.InfoResult(info={"pools": {"default": {"layout": {"num_layers": 2}}}}),
                     )
                 ]
-            case wire.Check():
+            case wire.CheckRequest():
                 problems = [] if check_ok else ["default: free + evictable + in_use != total"]
                 return [wire.encode_ok(rid, wire.CheckResult(ok=check_ok, problems=problems))]
-            case wire.Flush():
+            case wire.FlushRequest():
                 return [wire.encode_ok(rid, wire.FlushResult(dropped=5))]
-            case wire.Ping():
+            case wire.PingRequest():
                 return [wire.encode_ok(rid, wire.PingResult(epoch=7, version=1))]
         raise AssertionError(f"unexpected {req}")
 
@@ -185,7 +185,7 @@ def test_check_ok(router: StartRouter) -> None:
 def test_flush_a_namespace(router: StartRouter) -> None:
     r = router(handler())
     assert run(r.address, "flush", "--namespace", "t1") == (EXIT_OK, "dropped:5\n")
-    assert r.requests[-1] == wire.Flush(id=1, namespace="t1")
+    assert r.requests[-1] == wire.FlushRequest(id=1, namespace="t1")
 
 
 def test_clients_and_pools(router: StartRouter) -> None:
@@ -210,7 +210,7 @@ def test_top_once(router: StartRouter) -> None:
     code, out = run(r.address, "top", "--once", "--width", "160")
     assert code == EXIT_OK
     assert "pools" in out and "vllm" in out
-    assert [type(q).__name__ for q in r.requests] == ["Stats", "Clients"]
+    assert [type(q).__name__ for q in r.requests] == ["StatsRequest", "ClientsRequest"]
 
 
 def test_no_socket_exits_3_naming_the_address(

@@ -28,9 +28,9 @@ def test_unknown_code_keeps_its_text_on_the_base_class() -> None:
 
 
 def test_capacity_refusals_share_the_refused_base() -> None:
-    assert issubclass(E.OutOfBlocks, E.Refused)
-    assert issubclass(E.QuotaExceeded, E.Refused)
-    assert not issubclass(E.NotFound, E.Refused)
+    assert issubclass(E.OutOfBlocks, E.RefusalError)
+    assert issubclass(E.QuotaExceeded, E.RefusalError)
+    assert not issubclass(E.NotFound, E.RefusalError)
 
 
 def test_pythonic_bases_for_invalid_input_lookup_and_connection() -> None:

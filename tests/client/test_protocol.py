@@ -20,43 +20,43 @@ def _code(frames: list[bytes]) -> wire.Code:
 
 def test_request_round_trips_with_tokens_as_an_extra_frame() -> None:
     tokens = np.arange(40, dtype=np.int32)
-    frames = wire.Allocate(id=3, seq="req-7", tokens=tokens, reserve=100).encode()
+    frames = wire.AllocateRequest(id=3, seq="req-7", tokens=tokens, reserve=100).encode()
     assert frames[0] == bytes((wire.Kind.ALLOCATE,))
     assert frames[2] == tokens.astype("<i4").tobytes()
     decoded = wire.decode_request(frames)
-    assert isinstance(decoded, wire.Allocate)
+    assert isinstance(decoded, wire.AllocateRequest)
     assert (decoded.id, decoded.seq, decoded.reserve) == (3, "req-7", 100)
     assert decoded.tokens.tolist() == list(range(40))
 
 
 def test_optional_fields_take_their_defaults() -> None:
     decoded = wire.decode_request(_frames(wire.Kind.COMMIT, {"id": 1, "seq": "a"}))
-    assert decoded == wire.Commit(id=1, seq="a", n=None)
+    assert decoded == wire.CommitRequest(id=1, seq="a", n=None)
 
 
 def test_explicit_nil_counts_as_omitted() -> None:
     decoded = wire.decode_request(_frames(wire.Kind.COMMIT, {"id": 1, "seq": "a", "n": None}))
-    assert decoded == wire.Commit(id=1, seq="a", n=None)
+    assert decoded == wire.CommitRequest(id=1, seq="a", n=None)
 
 
 def test_every_request_kind_round_trips() -> None:
     samples: list[wire.Request] = [
-        wire.Hello(id=1, version=1, pool="default", name="x", pid=2, namespace="t"),
-        wire.Heartbeat(id=1),
-        wire.Goodbye(id=1),
-        wire.Commit(id=1, seq="a", n=3),
-        wire.Fork(id=1, seq="a", child="b", reserve=9),
-        wire.Truncate(id=1, seq="a", n=0),
-        wire.Free(id=1, seq="a"),
-        wire.Pin(id=1, seq="a"),
-        wire.Unpin(id=1, pin=4),
-        wire.CanAllocate(id=1, tokens=10),
-        wire.Stats(id=1, sections=["server"]),
-        wire.Check(id=1),
-        wire.Flush(id=1, namespace="t"),
-        wire.Clients(id=1),
-        wire.Pools(id=1),
-        wire.Ping(id=1),
+        wire.HelloRequest(id=1, version=1, pool="default", name="x", pid=2, namespace="t"),
+        wire.HeartbeatRequest(id=1),
+        wire.GoodbyeRequest(id=1),
+        wire.CommitRequest(id=1, seq="a", n=3),
+        wire.ForkRequest(id=1, seq="a", child="b", reserve=9),
+        wire.TruncateRequest(id=1, seq="a", n=0),
+        wire.FreeRequest(id=1, seq="a"),
+        wire.PinRequest(id=1, seq="a"),
+        wire.UnpinRequest(id=1, pin=4),
+        wire.CanAllocateRequest(id=1, tokens=10),
+        wire.StatsRequest(id=1, sections=["server"]),
+        wire.CheckRequest(id=1),
+        wire.FlushRequest(id=1, namespace="t"),
+        wire.ClientsRequest(id=1),
+        wire.PoolsRequest(id=1),
+        wire.PingRequest(id=1),
     ]
     for msg in samples:
         assert wire.decode_request(msg.encode()) == msg
@@ -118,7 +118,7 @@ def test_the_full_unsigned_64_bit_range_decodes() -> None:
     # Range checks of ids are the handlers' job; the decoder only bounds to 64 bits.
     body = b"\x82\xa2id\x01\xa3pin\xcf" + b"\xff" * 8
     decoded = wire.decode_request([bytes((wire.Kind.UNPIN,)), body])
-    assert isinstance(decoded, wire.Unpin)
+    assert isinstance(decoded, wire.UnpinRequest)
     assert decoded.pin == 2**64 - 1
 
 
@@ -157,31 +157,31 @@ def test_tokens_to_bytes_rejects_floats_and_out_of_range() -> None:
 
 def test_batch_carries_ops_and_one_shared_token_frame() -> None:
     ops = [
-        wire.Free(id=0, seq="x"),
-        wire.Append(id=0, seq="y", tokens=np.arange(3, dtype=np.int32)),
-        wire.Append(id=0, seq="z", tokens=np.arange(5, dtype=np.int32)),
+        wire.FreeRequest(id=0, seq="x"),
+        wire.AppendRequest(id=0, seq="y", tokens=np.arange(3, dtype=np.int32)),
+        wire.AppendRequest(id=0, seq="z", tokens=np.arange(5, dtype=np.int32)),
     ]
     frames = wire.encode_batch(9, ops)
     assert len(frames) == 3
     batch = wire.decode_request(frames)
-    assert isinstance(batch, wire.Batch)
+    assert isinstance(batch, wire.BatchRequest)
     extras = wire.TokenFrames(frames[2:])
     decoded = [wire.decode_batch_op(op, extras) for op in batch.ops]
-    assert [type(d) for d in decoded] == [wire.Free, wire.Append, wire.Append]
-    assert isinstance(decoded[2], wire.Append)
+    assert [type(d) for d in decoded] == [wire.FreeRequest, wire.AppendRequest, wire.AppendRequest]
+    assert isinstance(decoded[2], wire.AppendRequest)
     assert decoded[2].tokens.tolist() == [0, 1, 2, 3, 4]
     assert batch.ops[2][1]["tokens"] == [0, 3, 8]
 
 
 def test_batch_without_tokens_has_no_extra_frame() -> None:
-    assert len(wire.encode_batch(1, [wire.Free(id=0, seq="x")])) == 2
+    assert len(wire.encode_batch(1, [wire.FreeRequest(id=0, seq="x")])) == 2
 
 
 def test_token_slice_decodes_from_a_plain_frame_list() -> None:
     frame = np.arange(6, dtype="<i4").tobytes()
     op = [int(wire.Kind.APPEND), {"id": 0, "seq": "a", "tokens": [0, 2, 4]}]
     decoded = wire.decode_batch_op(op, [frame])
-    assert isinstance(decoded, wire.Append)
+    assert isinstance(decoded, wire.AppendRequest)
     assert decoded.tokens.tolist() == [2, 3]
 
 
@@ -204,12 +204,14 @@ def test_a_negative_token_fails_only_the_slice_holding_it() -> None:
 
 def test_batch_refuses_negative_tokens_when_encoding() -> None:
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        wire.encode_batch(1, [wire.Append(id=0, seq="a", tokens=np.array([-1], dtype=np.int32))])
+        wire.encode_batch(
+            1, [wire.AppendRequest(id=0, seq="a", tokens=np.array([-1], dtype=np.int32))]
+        )
 
 
 def test_batch_refuses_unbatchable_ops() -> None:
     with pytest.raises(ValueError, match="cannot be batched"):
-        wire.encode_batch(1, [wire.Stats(id=0)])
+        wire.encode_batch(1, [wire.StatsRequest(id=0)])
     with pytest.raises(wire.ProtocolError) as info:
         wire.decode_batch_op([int(wire.Kind.HELLO), {"id": 0}], [])
     assert info.value.code == wire.Code.INVALID

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import zmq
 from kvd_client import wire
-from kvd_client.core import Identity, Session
+from kvd_client.core import ClientSession, Identity
 from kvd_client.errors import DaemonUnavailable
 from kvd_client.transport import AsyncTransport, BlockingTransport, dealer
 
@@ -20,7 +20,7 @@ StartRouter = Callable[..., Router]
 
 def late_replies(req: wire.Request) -> list[list[bytes]]:
     """Ping 1 gets no reply; ping 2 gets ping 1's late reply first, then its own."""
-    assert isinstance(req, wire.Ping)
+    assert isinstance(req, wire.PingRequest)
     if req.id == 1:
         return []
     return [
@@ -31,12 +31,12 @@ def late_replies(req: wire.Request) -> list[list[bytes]]:
 
 def test_blocking_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> None:
     r = router(late_replies)
-    session = Session(Identity(pool=None, name="t"))
+    session = ClientSession(Identity(pool=None, name="t"))
     transport = BlockingTransport(r.address)
     try:
         with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-            transport.roundtrip(wire.Ping(id=1).encode(), 1, session.accept, 0.2)
-        reply = transport.roundtrip(wire.Ping(id=2).encode(), 2, session.accept, 5.0)
+            transport.roundtrip(wire.PingRequest(id=1).encode(), 1, session.accept, 0.2)
+        reply = transport.roundtrip(wire.PingRequest(id=2).encode(), 2, session.accept, 5.0)
     finally:
         transport.close()
     assert (reply.id, reply.result["epoch"]) == (2, 2)
@@ -44,14 +44,16 @@ def test_blocking_timeout_then_the_late_reply_is_dropped(router: StartRouter) ->
 
 def test_async_timeout_then_the_late_reply_is_dropped(router: StartRouter) -> None:
     r = router(late_replies)
-    session = Session(Identity(pool=None, name="t"))
+    session = ClientSession(Identity(pool=None, name="t"))
 
     async def main() -> wire.OkReply:
         transport = AsyncTransport(r.address)
         try:
             with pytest.raises(DaemonUnavailable, match=re.escape(r.address)):
-                await transport.roundtrip(wire.Ping(id=1).encode(), 1, session.accept, 0.2)
-            return await transport.roundtrip(wire.Ping(id=2).encode(), 2, session.accept, 5.0)
+                await transport.roundtrip(wire.PingRequest(id=1).encode(), 1, session.accept, 0.2)
+            return await transport.roundtrip(
+                wire.PingRequest(id=2).encode(), 2, session.accept, 5.0
+            )
         finally:
             transport.close()
 

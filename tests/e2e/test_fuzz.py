@@ -105,28 +105,33 @@ huge_lists = st.one_of(
 )
 foreign_ids = st.one_of(
     st.builds(
-        lambda seq, rid: wire.Free(id=rid, seq=seq).encode(),
+        lambda seq, rid: wire.FreeRequest(id=rid, seq=seq).encode(),
         st.sampled_from(["victim", "ghost"]),
         st.integers(min_value=0, max_value=2**63),
     ),
     st.builds(
-        lambda n: wire.Truncate(id=5, seq="victim", n=n).encode(), st.integers(-(2**40), 2**40)
+        lambda n: wire.TruncateRequest(id=5, seq="victim", n=n).encode(),
+        st.integers(-(2**40), 2**40),
     ),
-    st.builds(lambda p: wire.Unpin(id=6, pin=p).encode(), st.integers(-(2**63), 2**63)),
-    st.builds(lambda: wire.Fork(id=7, seq="victim", child="mine").encode()),
-    st.builds(lambda n: wire.Commit(id=8, seq="victim", n=n).encode(), st.integers(-5, 10**9)),
-    st.builds(lambda: wire.Pin(id=9, seq="victim").encode()),
+    st.builds(lambda p: wire.UnpinRequest(id=6, pin=p).encode(), st.integers(-(2**63), 2**63)),
+    st.builds(lambda: wire.ForkRequest(id=7, seq="victim", child="mine").encode()),
+    st.builds(
+        lambda n: wire.CommitRequest(id=8, seq="victim", n=n).encode(), st.integers(-5, 10**9)
+    ),
+    st.builds(lambda: wire.PinRequest(id=9, seq="victim").encode()),
     st.builds(
         lambda rid: [bytes((wire.Kind.PING,)), _pack({"id": rid})], st.integers(-(2**63), 2**64 - 1)
     ),
 )
 TEMPLATES = [
-    wire.Free(id=11, seq="victim").encode(),
-    wire.Commit(id=12, seq="victim", n=3).encode(),
-    wire.Truncate(id=13, seq="victim", n=1).encode(),
-    wire.Ping(id=14).encode(),
-    wire.Stats(id=15, sections=["blocks"]).encode(),
-    wire.encode_batch(16, [wire.Free(id=0, seq="victim"), wire.Commit(id=0, seq="victim")]),
+    wire.FreeRequest(id=11, seq="victim").encode(),
+    wire.CommitRequest(id=12, seq="victim", n=3).encode(),
+    wire.TruncateRequest(id=13, seq="victim", n=1).encode(),
+    wire.PingRequest(id=14).encode(),
+    wire.StatsRequest(id=15, sections=["blocks"]).encode(),
+    wire.encode_batch(
+        16, [wire.FreeRequest(id=0, seq="victim"), wire.CommitRequest(id=0, seq="victim")]
+    ),
 ]
 
 
@@ -172,7 +177,7 @@ def _rpc(sock: zmq.Socket[bytes], frames: list[bytes]) -> Any:
 
 
 def _hello(sock: zmq.Socket[bytes]) -> None:
-    hello = wire.Hello(
+    hello = wire.HelloRequest(
         id=1, version=wire.PROTOCOL_VERSION, pool="default", name="fuzz", pid=os.getpid()
     )
     assert isinstance(_rpc(sock, hello.encode()), wire.OkReply)
@@ -225,7 +230,7 @@ def test_fuzzed_frames_get_error_replies_and_change_nothing(kvd_daemon, spawn_ag
         fuzz()
         assert sent["messages"] > 1000
         assert sent["errors"] > sent["messages"] // 2
-        _rpc(with_session, wire.Goodbye(id=99).encode())
+        _rpc(with_session, wire.GoodbyeRequest(id=99).encode())
     finally:
         with_session.close(0)
         without.close(0)

@@ -107,7 +107,7 @@ def total_counts(stats: Path) -> dict[str, int]:
 
 def sessions(daemon: Any) -> list[dict[str, Any]]:
     """The daemon's session listing (CLIENTS)."""
-    reply = daemon.call(wire.Clients(id=1))
+    reply = daemon.call(wire.ClientsRequest(id=1))
     assert isinstance(reply, wire.OkReply), reply
     listing: list[dict[str, Any]] = reply.result["info"]["sessions"]
     return listing

@@ -129,19 +129,22 @@ class Target:
         self.rejected = 0
         for who in (VICTIM, ATTACKER):
             self._ok(
-                wire.Hello(id=0, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1),
+                wire.HelloRequest(
+                    id=0, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1
+                ),
                 who,
             )
         tokens = np.arange(100, 100 + 2 * BS + 5, dtype=np.int32)
-        self._ok(wire.Allocate(id=0, seq="victim", tokens=tokens), VICTIM)
-        self._ok(wire.Commit(id=0, seq="victim", n=2 * BS), VICTIM)
-        self.victim_pin = int(self._ok(wire.Pin(id=0, seq="victim"), VICTIM)["pin"])
-        self._ok(wire.Fork(id=0, seq="victim", child="victim.1"), VICTIM)
+        self._ok(wire.AllocateRequest(id=0, seq="victim", tokens=tokens), VICTIM)
+        self._ok(wire.CommitRequest(id=0, seq="victim", n=2 * BS), VICTIM)
+        self.victim_pin = int(self._ok(wire.PinRequest(id=0, seq="victim"), VICTIM)["pin"])
+        self._ok(wire.ForkRequest(id=0, seq="victim", child="victim.1"), VICTIM)
         self._ok(
-            wire.Allocate(id=0, seq="mine", tokens=np.arange(BS + 3, dtype=np.int32)), ATTACKER
+            wire.AllocateRequest(id=0, seq="mine", tokens=np.arange(BS + 3, dtype=np.int32)),
+            ATTACKER,
         )
-        self._ok(wire.Commit(id=0, seq="mine", n=BS), ATTACKER)
-        self.attacker_pin = int(self._ok(wire.Pin(id=0, seq="mine"), ATTACKER)["pin"])
+        self._ok(wire.CommitRequest(id=0, seq="mine", n=BS), ATTACKER)
+        self.attacker_pin = int(self._ok(wire.PinRequest(id=0, seq="mine"), ATTACKER)["pin"])
 
     def _ok(self, req: wire.Request, who: bytes) -> dict[str, Any]:
         reply = wire.decode_reply(self.dispatcher.handle(who, req.encode(), PeerCred(1, 1, 1)))

@@ -175,17 +175,23 @@ def wild_requests(draw: st.DrawFn) -> list[bytes]:
 
 
 TEMPLATES = [
-    wire.Allocate(id=1, seq="new", tokens=np.arange(40, dtype=np.int32), reserve=64).encode(),
-    wire.Append(id=2, seq="mine", tokens=np.arange(5, dtype=np.int32)).encode(),
-    wire.Commit(id=3, seq="victim", n=3).encode(),
-    wire.Truncate(id=4, seq="victim.1", n=1).encode(),
-    wire.Fork(id=5, seq="mine", child="kid").encode(),
-    wire.Unpin(id=6, pin=1).encode(),
-    wire.Pin(id=7, seq="mine", n=BS).encode(),
-    wire.Free(id=8, seq="mine").encode(),
-    wire.Stats(id=9, sections=["blocks"]).encode(),
-    wire.Hello(id=10, version=wire.PROTOCOL_VERSION, pool="default", name="m", pid=3).encode(),
-    wire.encode_batch(11, [wire.Free(id=0, seq="victim"), wire.Commit(id=0, seq="mine")]),
+    wire.AllocateRequest(
+        id=1, seq="new", tokens=np.arange(40, dtype=np.int32), reserve=64
+    ).encode(),
+    wire.AppendRequest(id=2, seq="mine", tokens=np.arange(5, dtype=np.int32)).encode(),
+    wire.CommitRequest(id=3, seq="victim", n=3).encode(),
+    wire.TruncateRequest(id=4, seq="victim.1", n=1).encode(),
+    wire.ForkRequest(id=5, seq="mine", child="kid").encode(),
+    wire.UnpinRequest(id=6, pin=1).encode(),
+    wire.PinRequest(id=7, seq="mine", n=BS).encode(),
+    wire.FreeRequest(id=8, seq="mine").encode(),
+    wire.StatsRequest(id=9, sections=["blocks"]).encode(),
+    wire.HelloRequest(
+        id=10, version=wire.PROTOCOL_VERSION, pool="default", name="m", pid=3
+    ).encode(),
+    wire.encode_batch(
+        11, [wire.FreeRequest(id=0, seq="victim"), wire.CommitRequest(id=0, seq="mine")]
+    ),
 ]
 
 
@@ -253,17 +259,17 @@ def valid_ops(draw: st.DrawFn) -> list[bytes]:
     req = draw(
         st.sampled_from(
             [
-                wire.Allocate(
+                wire.AllocateRequest(
                     id=1, seq=seq, tokens=tokens, reserve=draw(st.sampled_from([None, 48]))
                 ),
-                wire.Append(id=2, seq=seq, tokens=tokens[: draw(st.integers(0, 5))]),
-                wire.Commit(id=3, seq=seq),
-                wire.Fork(id=4, seq=seq, child=draw(st.sampled_from(["a", "b", "c"]))),
-                wire.Truncate(id=5, seq=seq, n=draw(st.integers(0, BS + 2))),
-                wire.Free(id=6, seq=seq),
-                wire.Pin(id=7, seq=seq),
-                wire.Unpin(id=8, pin=draw(st.integers(1, 4))),
-                wire.CanAllocate(id=9, tokens=draw(st.integers(0, 300))),
+                wire.AppendRequest(id=2, seq=seq, tokens=tokens[: draw(st.integers(0, 5))]),
+                wire.CommitRequest(id=3, seq=seq),
+                wire.ForkRequest(id=4, seq=seq, child=draw(st.sampled_from(["a", "b", "c"]))),
+                wire.TruncateRequest(id=5, seq=seq, n=draw(st.integers(0, BS + 2))),
+                wire.FreeRequest(id=6, seq=seq),
+                wire.PinRequest(id=7, seq=seq),
+                wire.UnpinRequest(id=8, pin=draw(st.integers(1, 4))),
+                wire.CanAllocateRequest(id=9, tokens=draw(st.integers(0, 300))),
             ]
         )
     )

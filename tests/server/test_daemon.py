@@ -86,26 +86,26 @@ def test_drain_waits_for_running_sequences_then_exits(kvd_daemon) -> None:
         return wire.decode_reply(sock.recv_multipart())
 
     try:
-        hello = wire.Hello(
+        hello = wire.HelloRequest(
             id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
         )
         assert isinstance(call(hello), wire.OkReply)
         tokens = np.arange(20, dtype=np.int32)
         assert isinstance(
-            call(wire.Allocate(id=2, seq="s", tokens=tokens, reserve=64)), wire.OkReply
+            call(wire.AllocateRequest(id=2, seq="s", tokens=tokens, reserve=64)), wire.OkReply
         )
         kvd_daemon.signal(signal.SIGTERM)
         # New work is refused, the running sequence may grow and finish.
-        refused = call(wire.Allocate(id=3, seq="t", tokens=tokens))
+        refused = call(wire.AllocateRequest(id=3, seq="t", tokens=tokens))
         while isinstance(refused, wire.OkReply):  # the signal may not have landed yet
-            assert isinstance(call(wire.Free(id=4, seq="t")), wire.OkReply)
-            refused = call(wire.Allocate(id=3, seq="t", tokens=tokens))
+            assert isinstance(call(wire.FreeRequest(id=4, seq="t")), wire.OkReply)
+            refused = call(wire.AllocateRequest(id=3, seq="t", tokens=tokens))
         assert isinstance(refused, wire.ErrorReply)
         assert refused.code == wire.Code.SHUTTING_DOWN
-        appended = call(wire.Append(id=5, seq="s", tokens=tokens[:4]))
+        appended = call(wire.AppendRequest(id=5, seq="s", tokens=tokens[:4]))
         assert isinstance(appended, wire.OkReply)
         assert kvd_daemon.proc.poll() is None  # still draining: a sequence is held
-        assert isinstance(call(wire.Free(id=6, seq="s")), wire.OkReply)
+        assert isinstance(call(wire.FreeRequest(id=6, seq="s")), wire.OkReply)
         assert kvd_daemon.proc.wait(30) == 0
         assert '"drained"' in kvd_daemon.log()
     finally:
@@ -118,13 +118,13 @@ def test_second_signal_exits_at_once(kvd_daemon) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(kvd_daemon.address)
     try:
-        hello = wire.Hello(
+        hello = wire.HelloRequest(
             id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
         )
         sock.send_multipart(hello.encode())
         sock.recv_multipart()
         tokens = np.arange(20, dtype=np.int32)
-        sock.send_multipart(wire.Allocate(id=2, seq="s", tokens=tokens).encode())
+        sock.send_multipart(wire.AllocateRequest(id=2, seq="s", tokens=tokens).encode())
         sock.recv_multipart()
         kvd_daemon.signal(signal.SIGTERM)
         # wait until the daemon reports draining, then signal again
@@ -163,7 +163,7 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
         return wire.decode_reply(dealer.recv_multipart())
 
     try:
-        hello = wire.Hello(
+        hello = wire.HelloRequest(
             id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
         )
         assert isinstance(call(hello), wire.OkReply)
@@ -172,8 +172,8 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
         # PUB drops what is sent before the subscription is in place: commit
         # fresh sequences until one BlockStored batch arrives.
         for i in range(200):
-            call(wire.Allocate(id=10 + i, seq=f"s{i}", tokens=tokens + 1000 * i))
-            call(wire.Commit(id=10 + i, seq=f"s{i}"))
+            call(wire.AllocateRequest(id=10 + i, seq=f"s{i}", tokens=tokens + 1000 * i))
+            call(wire.CommitRequest(id=10 + i, seq=f"s{i}"))
             while sub.poll(20):
                 topic, seq, payload = sub.recv_multipart()
                 assert topic == b"kv@test@default"
@@ -186,7 +186,7 @@ def test_kv_events_are_published_per_pool(start_kvd, kvd_workdir) -> None:
         assert stored[0]["block_size"] == 16
         assert len(stored[0]["token_ids"]) == 16 * len(stored[0]["block_hashes"])
         assert daemon.stats()["events"]["batches"] >= 1
-        assert isinstance(call(wire.Goodbye(id=2)), wire.OkReply)
+        assert isinstance(call(wire.GoodbyeRequest(id=2)), wire.OkReply)
     finally:
         sub.close(0)
         dealer.close(0)
@@ -198,19 +198,19 @@ def test_pressure_notice_reaches_the_client(start_kvd) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.address)
     try:
-        hello = wire.Hello(
+        hello = wire.HelloRequest(
             id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=os.getpid()
         )
         sock.send_multipart(hello.encode())
         assert isinstance(wire.decode_reply(sock.recv_multipart()), wire.OkReply)
         tokens = np.arange(40 * 16, dtype=np.int32)  # 40 of the tiny pool's 64 blocks
-        sock.send_multipart(wire.Allocate(id=2, seq="s", tokens=tokens).encode())
+        sock.send_multipart(wire.AllocateRequest(id=2, seq="s", tokens=tokens).encode())
         assert isinstance(wire.decode_reply(sock.recv_multipart()), wire.OkReply)
         assert sock.poll(10_000)
         notice = wire.decode_reply(sock.recv_multipart())
         assert isinstance(notice, wire.Notice)
         assert (notice.event, notice.data["level"]) == ("pressure", 1)
-        sock.send_multipart(wire.Goodbye(id=3).encode())
+        sock.send_multipart(wire.GoodbyeRequest(id=3).encode())
         sock.recv_multipart()
     finally:
         sock.close(0)

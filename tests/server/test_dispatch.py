@@ -90,7 +90,7 @@ class Harness:
 
     def hello(self, who: bytes = b"A", **kw: Any) -> Any:
         fields = {"version": wire.PROTOCOL_VERSION, "pool": "default", "name": "t", "pid": 1} | kw
-        return self.call(wire.Hello(id=self.nid(), **fields), who)
+        return self.call(wire.HelloRequest(id=self.nid(), **fields), who)
 
     def ok(self, req: wire.Request, who: bytes = b"A") -> dict[str, Any]:
         reply = self.call(req, who)
@@ -127,11 +127,11 @@ def table(result: dict[str, Any], key: str = "table") -> list[int]:
 
 
 def test_ping_needs_no_session(h: Harness) -> None:
-    assert h.ok(wire.Ping(id=7)) == {"epoch": 12345, "version": wire.PROTOCOL_VERSION}
+    assert h.ok(wire.PingRequest(id=7)) == {"epoch": 12345, "version": wire.PROTOCOL_VERSION}
 
 
 def test_request_without_hello_is_session_lost(h: Harness) -> None:
-    e = h.err(wire.Allocate(id=5, seq="s", tokens=toks(4)))
+    e = h.err(wire.AllocateRequest(id=5, seq="s", tokens=toks(4)))
     assert (e.id, e.code) == (5, wire.Code.SESSION_LOST)
 
 
@@ -195,33 +195,33 @@ def test_max_sessions_gives_busy() -> None:
 
 def test_second_hello_replaces_the_session_and_frees_its_sequences(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
     h.hello()
     assert h.state()["blocks"]["default"]["in_use"] == 0
     assert len(h.d.state.sessions) == 1
-    assert h.err(wire.Free(id=2, seq="s")).code == wire.Code.NOT_FOUND
+    assert h.err(wire.FreeRequest(id=2, seq="s")).code == wire.Code.NOT_FOUND
 
 
 def test_goodbye_closes_the_session(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
-    assert h.ok(wire.Goodbye(id=2)) == {}
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(wire.GoodbyeRequest(id=2)) == {}
     assert h.state()["blocks"]["default"]["in_use"] == 0
-    assert h.err(wire.Heartbeat(id=3)).code == wire.Code.SESSION_LOST
+    assert h.err(wire.HeartbeatRequest(id=3)).code == wire.Code.SESSION_LOST
 
 
 def test_heartbeat_renews_the_lease(h: Harness) -> None:
     h.hello()
     h.clock.now += 4.0
-    h.ok(wire.Heartbeat(id=1))
+    h.ok(wire.HeartbeatRequest(id=1))
     h.clock.now += 4.0
     assert h.d.state.sessions.expired() == []
 
 
 def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harness) -> None:
     h.hello(b"A")
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
-    h.ok(wire.Commit(id=2, seq="s"), b"A")
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)), b"A")
+    h.ok(wire.CommitRequest(id=2, seq="s"), b"A")
     session = h.d.state.sessions.peek(b"A")
     assert session is not None
     h.d.handshake.close(session, "test")
@@ -233,7 +233,9 @@ def test_close_session_frees_sequences_and_keeps_committed_blocks_cached(h: Harn
 def test_hello_records_peer_credentials(h: Harness) -> None:
     peer = PeerCred(0, 0, os.getpid())
     reply = h.send(
-        wire.Hello(id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=99).encode(),
+        wire.HelloRequest(
+            id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=99
+        ).encode(),
         b"A",
         peer,
     )
@@ -250,58 +252,58 @@ def test_hello_records_peer_credentials(h: Harness) -> None:
 def test_prefix_is_shared_between_sessions(h: Harness) -> None:
     h.hello(b"A")
     h.hello(b"B")
-    a = h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)), b"A")
+    a = h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)), b"A")
     assert (a["cached"], len(table(a))) == (0, 3)
-    assert h.ok(wire.Commit(id=2, seq="s"), b"A") == {"committed": 40, "cached_blocks": 2}
-    b = h.ok(wire.Allocate(id=3, seq="s", tokens=toks(50)), b"B")
+    assert h.ok(wire.CommitRequest(id=2, seq="s"), b"A") == {"committed": 40, "cached_blocks": 2}
+    b = h.ok(wire.AllocateRequest(id=3, seq="s", tokens=toks(50)), b"B")
     assert b["cached"] == 32
     assert table(b)[:2] == table(a)[:2]
 
 
 def test_hit_is_capped_below_the_last_token(h: Harness) -> None:
     h.hello(b"A")
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(32)))
-    h.ok(wire.Commit(id=2, seq="s"))
-    b = h.ok(wire.Allocate(id=3, seq="t", tokens=toks(32)))
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(32)))
+    h.ok(wire.CommitRequest(id=2, seq="s"))
+    b = h.ok(wire.AllocateRequest(id=3, seq="t", tokens=toks(32)))
     assert b["cached"] == 16
 
 
 def test_append_fork_truncate_pin_unpin_free(h: Harness) -> None:
     h.hello()
-    a = h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20), reserve=64))
+    a = h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(20), reserve=64))
     assert a["reserved"] > 0
-    ap = h.ok(wire.Append(id=2, seq="s", tokens=toks(20, 20)))
+    ap = h.ok(wire.AppendRequest(id=2, seq="s", tokens=toks(20, 20)))
     assert (ap["start"], ap["length"]) == (2, 40)
     assert len(table(ap, "blocks")) == 1
-    f = h.ok(wire.Fork(id=3, seq="s", child="c"))
+    f = h.ok(wire.ForkRequest(id=3, seq="s", child="c"))
     assert len(table(f)) == 3
     # the child's last block is shared: appending copies it first
-    cow = h.ok(wire.Append(id=4, seq="c", tokens=toks(1, 40)))
+    cow = h.ok(wire.AppendRequest(id=4, seq="c", tokens=toks(1, 40)))
     copies = table(cow, "copies")
     assert len(copies) == 2
     assert copies[0] == table(f)[2]
-    assert h.ok(wire.Truncate(id=5, seq="s", n=17)) == {"length": 17, "num_blocks": 2}
-    h.ok(wire.Commit(id=6, seq="s"))
-    pin = h.ok(wire.Pin(id=7, seq="s"))
+    assert h.ok(wire.TruncateRequest(id=5, seq="s", n=17)) == {"length": 17, "num_blocks": 2}
+    h.ok(wire.CommitRequest(id=6, seq="s"))
+    pin = h.ok(wire.PinRequest(id=7, seq="s"))
     assert pin["blocks"] == 1
     assert h.state()["blocks"]["default"]["pinned"] == 1
-    assert h.ok(wire.Unpin(id=8, pin=pin["pin"])) == {}
-    assert h.ok(wire.Free(id=9, seq="s")) == {}
-    assert h.ok(wire.Free(id=10, seq="c")) == {}
+    assert h.ok(wire.UnpinRequest(id=8, pin=pin["pin"])) == {}
+    assert h.ok(wire.FreeRequest(id=9, seq="s")) == {}
+    assert h.ok(wire.FreeRequest(id=10, seq="c")) == {}
     assert h.state()["blocks"]["default"]["in_use"] == 0
 
 
 def test_can_allocate(h: Harness) -> None:
     h.hello()
-    assert h.ok(wire.CanAllocate(id=1, tokens=16 * BS)) == {"ok": True, "available": 16}
-    assert h.ok(wire.CanAllocate(id=2, tokens=17 * BS))["ok"] is False
+    assert h.ok(wire.CanAllocateRequest(id=1, tokens=16 * BS)) == {"ok": True, "available": 16}
+    assert h.ok(wire.CanAllocateRequest(id=2, tokens=17 * BS))["ok"] is False
 
 
 def test_out_of_blocks_changes_nothing(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(10 * BS)))
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(10 * BS)))
     before = h.state()
-    e = h.err(wire.Allocate(id=2, seq="t", tokens=toks(7 * BS)))
+    e = h.err(wire.AllocateRequest(id=2, seq="t", tokens=toks(7 * BS)))
     assert (e.id, e.code) == (2, wire.Code.OUT_OF_BLOCKS)
     assert h.state() == before
     assert h.d.info.stats()["admission"]["refusals"]["OUT_OF_BLOCKS"] == 1
@@ -311,7 +313,7 @@ def test_quota_exceeded_per_session() -> None:
     harness = Harness(_config(**{"admission.session_quota_blocks": "2"}))
     try:
         harness.hello()
-        e = harness.err(wire.Allocate(id=1, seq="s", tokens=toks(3 * BS)))
+        e = harness.err(wire.AllocateRequest(id=1, seq="s", tokens=toks(3 * BS)))
         assert e.code == wire.Code.QUOTA_EXCEEDED
     finally:
         harness.close()
@@ -320,19 +322,19 @@ def test_quota_exceeded_per_session() -> None:
 @pytest.mark.parametrize(
     ("req", "code"),
     [
-        (wire.Free(id=1, seq="nope"), wire.Code.NOT_FOUND),
-        (wire.Commit(id=1, seq="nope"), wire.Code.NOT_FOUND),
-        (wire.Unpin(id=1, pin=999), wire.Code.NOT_FOUND),
-        (wire.Truncate(id=1, seq="s", n=-1), wire.Code.INVALID),
-        (wire.Allocate(id=1, seq="s", tokens=toks(4)), wire.Code.EXISTS),
-        (wire.Allocate(id=1, seq="t", tokens=toks(4), reserve=-1), wire.Code.INVALID),
+        (wire.FreeRequest(id=1, seq="nope"), wire.Code.NOT_FOUND),
+        (wire.CommitRequest(id=1, seq="nope"), wire.Code.NOT_FOUND),
+        (wire.UnpinRequest(id=1, pin=999), wire.Code.NOT_FOUND),
+        (wire.TruncateRequest(id=1, seq="s", n=-1), wire.Code.INVALID),
+        (wire.AllocateRequest(id=1, seq="s", tokens=toks(4)), wire.Code.EXISTS),
+        (wire.AllocateRequest(id=1, seq="t", tokens=toks(4), reserve=-1), wire.Code.INVALID),
     ],
 )
 def test_engine_errors_carry_their_code_and_change_nothing(
     h: Harness, req: wire.Request, code: wire.Code
 ) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=0, seq="s", tokens=toks(20)))
+    h.ok(wire.AllocateRequest(id=0, seq="s", tokens=toks(20)))
     before = h.state()
     e = h.err(req)
     assert (e.id, e.code) == (1, code)
@@ -343,10 +345,10 @@ def test_engine_errors_carry_their_code_and_change_nothing(
 def test_another_sessions_sequence_is_not_found(h: Harness) -> None:
     h.hello(b"A")
     h.hello(b"B")
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20)), b"A")
-    assert h.err(wire.Free(id=2, seq="s"), b"B").code == wire.Code.NOT_FOUND
-    assert h.err(wire.Fork(id=3, seq="s", child="c"), b"B").code == wire.Code.NOT_FOUND
-    assert h.ok(wire.Free(id=4, seq="s"), b"A") == {}
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(20)), b"A")
+    assert h.err(wire.FreeRequest(id=2, seq="s"), b"B").code == wire.Code.NOT_FOUND
+    assert h.err(wire.ForkRequest(id=3, seq="s", child="c"), b"B").code == wire.Code.NOT_FOUND
+    assert h.ok(wire.FreeRequest(id=4, seq="s"), b"A") == {}
 
 
 def test_unexpected_exception_is_internal_and_logged(
@@ -361,12 +363,12 @@ def test_unexpected_exception_is_internal_and_logged(
     # Fault injection: the engine has no bug to trigger on purpose.
     monkeypatch.setattr(h.pools["default"].engine, "allocate", broken)
     with structlog.testing.capture_logs() as logs:
-        e = h.err(wire.Allocate(id=3, seq="s", tokens=toks(4)))
+        e = h.err(wire.AllocateRequest(id=3, seq="s", tokens=toks(4)))
     assert (e.id, e.code) == (3, wire.Code.INTERNAL)
     assert [entry["event"] for entry in logs] == ["internal_error"]
     assert logs[0]["exc_info"] is True
     assert h.state() == before
-    assert h.ok(wire.Ping(id=4))["epoch"] == 12345
+    assert h.ok(wire.PingRequest(id=4))["epoch"] == 12345
 
 
 # --------------------------------------------------------------------------
@@ -378,11 +380,11 @@ def test_batch_runs_in_order_with_one_result_each(h: Harness) -> None:
     frames = wire.encode_batch(
         9,
         [
-            wire.Allocate(id=0, seq="s", tokens=toks(20)),
-            wire.Free(id=0, seq="nope"),
-            wire.Append(id=0, seq="s", tokens=toks(4, 20)),
-            wire.Allocate(id=0, seq="big", tokens=toks(100 * BS)),
-            wire.Commit(id=0, seq="s"),
+            wire.AllocateRequest(id=0, seq="s", tokens=toks(20)),
+            wire.FreeRequest(id=0, seq="nope"),
+            wire.AppendRequest(id=0, seq="s", tokens=toks(4, 20)),
+            wire.AllocateRequest(id=0, seq="big", tokens=toks(100 * BS)),
+            wire.CommitRequest(id=0, seq="s"),
         ],
     )
     reply = h.send(frames)
@@ -416,7 +418,7 @@ def test_batch_refuses_non_batchable_and_unknown_ops(h: Harness) -> None:
 
 
 def test_batch_needs_a_session(h: Harness) -> None:
-    e = h.err(wire.encode_batch(3, [wire.Free(id=0, seq="s")]))
+    e = h.err(wire.encode_batch(3, [wire.FreeRequest(id=0, seq="s")]))
     assert (e.id, e.code) == (3, wire.Code.SESSION_LOST)
 
 
@@ -473,17 +475,19 @@ def test_message_above_the_limit_is_too_large(h: Harness) -> None:
 
 def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(20), reserve=40))
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(20), reserve=40))
     h.d.state.draining = True
-    assert h.err(wire.Allocate(id=2, seq="t", tokens=toks(4))).code == wire.Code.SHUTTING_DOWN
-    assert h.err(wire.Fork(id=3, seq="s", child="c")).code == wire.Code.SHUTTING_DOWN
+    assert (
+        h.err(wire.AllocateRequest(id=2, seq="t", tokens=toks(4))).code == wire.Code.SHUTTING_DOWN
+    )
+    assert h.err(wire.ForkRequest(id=3, seq="s", child="c")).code == wire.Code.SHUTTING_DOWN
     assert h.hello(b"B").code == wire.Code.SHUTTING_DOWN
-    assert h.ok(wire.Append(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
-    assert h.ok(wire.Commit(id=5, seq="s"))["committed"] == 24
+    assert h.ok(wire.AppendRequest(id=4, seq="s", tokens=toks(4, 20)))["length"] == 24
+    assert h.ok(wire.CommitRequest(id=5, seq="s"))["committed"] == 24
     assert h.d.info.in_flight() == 1
-    assert h.ok(wire.Free(id=6, seq="s")) == {}
+    assert h.ok(wire.FreeRequest(id=6, seq="s")) == {}
     assert h.d.info.in_flight() == 0
-    assert h.ok(wire.Ping(id=7))["epoch"] == 12345
+    assert h.ok(wire.PingRequest(id=7))["epoch"] == 12345
 
 
 # --------------------------------------------------------------------------
@@ -492,39 +496,39 @@ def test_draining_refuses_new_work_and_lets_running_sequences_finish(h: Harness)
 
 def test_check_passes(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
-    assert h.ok(wire.Check(id=2)) == {"ok": True, "problems": []}
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
+    assert h.ok(wire.CheckRequest(id=2)) == {"ok": True, "problems": []}
 
 
 def test_flush_drops_cached_blocks(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
-    h.ok(wire.Commit(id=2, seq="s"))
-    h.ok(wire.Free(id=3, seq="s"))
-    assert h.ok(wire.Flush(id=4)) == {"dropped": 2}
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
+    h.ok(wire.CommitRequest(id=2, seq="s"))
+    h.ok(wire.FreeRequest(id=3, seq="s"))
+    assert h.ok(wire.FlushRequest(id=4)) == {"dropped": 2}
     assert h.state()["blocks"]["default"]["evictable"] == 0
 
 
 def test_stats_sections(h: Harness) -> None:
     h.hello()
-    info = h.ok(wire.Stats(id=1))["info"]
+    info = h.ok(wire.StatsRequest(id=1))["info"]
     assert set(info) == {"server", "pools", "blocks", "prefix", "clients", "admission", "rpc"}
     assert info["server"]["epoch"] == 12345
     assert info["server"]["pid"] == os.getpid()
     assert info["blocks"]["default"]["total"] == 16
     assert info["clients"]["sessions"] == 1
-    only = h.ok(wire.Stats(id=2, sections=["blocks"]))["info"]
+    only = h.ok(wire.StatsRequest(id=2, sections=["blocks"]))["info"]
     assert set(only) == {"blocks"}
-    assert h.err(wire.Stats(id=3, sections=["nope"])).code == wire.Code.INVALID
+    assert h.err(wire.StatsRequest(id=3, sections=["nope"])).code == wire.Code.INVALID
 
 
 def test_clients_and_pools_listings(h: Harness) -> None:
     h.hello(b"A", name="worker-1")
-    h.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
-    (client,) = h.ok(wire.Clients(id=2))["info"]["sessions"]
+    h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
+    (client,) = h.ok(wire.ClientsRequest(id=2))["info"]["sessions"]
     assert client["name"] == "worker-1"
     assert client["usage_blocks"] == 3
-    pools = h.ok(wire.Pools(id=3))["info"]["pools"]
+    pools = h.ok(wire.PoolsRequest(id=3))["info"]["pools"]
     assert pools["default"]["blocks"]["in_use"] == 3
     assert pools["default"]["memory"]["backend"] == "shm"
     assert pools["default"]["sessions"] == 1
@@ -543,7 +547,7 @@ def test_two_pools_sessions_pick_by_name(tmp_path: Any) -> None:
         assert ra.result["layout"]["block_size"] == 16
         assert rb.result["layout"]["block_size"] == 32
         assert ra.result["memory"]["path"] != rb.result["memory"]["path"]
-        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(64)), b"B")
+        harness.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(64)), b"B")
         blocks = harness.d.info.stats()["blocks"]
         assert (blocks["a"]["in_use"], blocks["b"]["in_use"]) == (0, 2)
     finally:
@@ -555,8 +559,8 @@ def test_events_reach_the_publisher() -> None:
     harness = Harness(_config(), events=events)
     try:
         harness.hello()
-        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(40)))
-        harness.ok(wire.Commit(id=2, seq="s"))
+        harness.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
+        harness.ok(wire.CommitRequest(id=2, seq="s"))
         assert [(pool, type(e).__name__) for pool, evs in events for e in evs] == [
             ("default", "BlockStored")
         ]
@@ -565,7 +569,7 @@ def test_events_reach_the_publisher() -> None:
 
 
 def test_service_time_is_observed_per_kind(h: Harness) -> None:
-    h.ok(wire.Ping(id=1))
+    h.ok(wire.PingRequest(id=1))
     h.err([b"\x7e", b"\x80"])
     assert [kind for kind, _ in h.observed] == ["ping", "invalid"]
     assert all(s >= 0 for _, s in h.observed)
@@ -577,7 +581,7 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
         harness.hello(b"A")
         harness.hello(b"B")
         assert harness.d.info.pressure_notices() == []
-        harness.ok(wire.Allocate(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
+        harness.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(8 * BS), reserve=13 * BS), b"A")
         notices = harness.d.info.pressure_notices()
         assert sorted(who for who, _ in notices) == [b"A", b"B"]
         notice = wire.decode_reply(notices[0][1])
@@ -590,7 +594,7 @@ def test_pressure_notices_on_crossing_up_and_down() -> None:
             "thresholds": [0.5, 0.75],
         }
         assert harness.d.info.pressure_notices() == []  # no crossing, no notice
-        harness.ok(wire.Free(id=2, seq="s"), b"A")
+        harness.ok(wire.FreeRequest(id=2, seq="s"), b"A")
         (_, frames), _ = harness.d.info.pressure_notices()
         down = wire.decode_reply(frames)
         assert isinstance(down, wire.Notice)
@@ -610,16 +614,16 @@ def _expire(h: Harness, reason: str = "lease_expired") -> None:
 
 def test_a_lease_expiry_without_a_pid_quarantines_the_sessions_blocks(h: Harness) -> None:
     h.hello()
-    h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+    h.ok(wire.AllocateRequest(id=h.nid(), seq="s", tokens=toks(40)))
     h.clock.now += h.d.state.sessions.lease_s * 2
     _expire(h)
-    assert h.err(wire.Commit(id=h.nid(), seq="s")).code == wire.Code.SESSION_LOST
+    assert h.err(wire.CommitRequest(id=h.nid(), seq="s")).code == wire.Code.SESSION_LOST
     assert h.d.info.stats()["blocks"]["default"]["in_use"] == 3  # still out of circulation
     assert (h.d.info.in_flight(), h.d.handshake.release_quarantined()) == (0, 0)
     h.clock.now += h.d.state.sessions.lease_s * h.d.state.config.server.quarantine_leases
     assert h.d.handshake.release_quarantined() == 1
     assert h.d.info.stats()["blocks"]["default"]["in_use"] == 0
-    assert h.ok(wire.Check(id=h.nid()))["ok"] is True
+    assert h.ok(wire.CheckRequest(id=h.nid()))["ok"] is True
 
 
 @pytest.mark.parametrize(
@@ -629,7 +633,7 @@ def test_other_closes_free_the_blocks_at_once(reason: str, leases: str) -> None:
     h = Harness(_config(**{"server.quarantine_leases": leases}))
     try:
         h.hello()
-        h.ok(wire.Allocate(id=h.nid(), seq="s", tokens=toks(40)))
+        h.ok(wire.AllocateRequest(id=h.nid(), seq="s", tokens=toks(40)))
         _expire(h, reason)
         assert h.d.state.quarantined == []
         assert h.d.info.stats()["blocks"]["default"]["in_use"] == 0
@@ -644,7 +648,7 @@ def test_a_forbidden_namespace_opens_nothing() -> None:
         )
     )
     try:
-        hello = wire.Hello(
+        hello = wire.HelloRequest(
             id=1, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1, namespace="ab"
         ).encode()
         reply = h.send(hello, peer=PeerCred(uid=8, gid=8, pid=1))
@@ -660,17 +664,17 @@ def test_a_session_beyond_its_rate_is_rate_limited_and_its_bucket_refills() -> N
     h = Harness(_config(**{"security.rate_limit": "10", "security.rate_burst": "2"}))
     try:
         h.hello()  # the shared bucket
-        h.ok(wire.Heartbeat(id=h.nid()))
-        h.ok(wire.Heartbeat(id=h.nid()))
-        assert h.err(wire.Heartbeat(id=h.nid())).code == wire.Code.RATE_LIMITED
+        h.ok(wire.HeartbeatRequest(id=h.nid()))
+        h.ok(wire.HeartbeatRequest(id=h.nid()))
+        assert h.err(wire.HeartbeatRequest(id=h.nid())).code == wire.Code.RATE_LIMITED
         h.clock.now += 0.1
-        h.ok(wire.Heartbeat(id=h.nid()))
+        h.ok(wire.HeartbeatRequest(id=h.nid()))
     finally:
         h.close()
 
 
 def test_a_queued_message_at_exit_gets_shutting_down_with_its_id(h: Harness) -> None:
-    reply = wire.decode_reply(h.d.refuse_shutting_down(wire.Ping(id=41).encode()))
+    reply = wire.decode_reply(h.d.refuse_shutting_down(wire.PingRequest(id=41).encode()))
     assert isinstance(reply, wire.ErrorReply)
     assert (reply.id, reply.code) == (41, wire.Code.SHUTTING_DOWN)
     garbage = wire.decode_reply(h.d.refuse_shutting_down([b"\xff"]))

@@ -193,22 +193,25 @@ def test_a_rate_limiter_needs_a_positive_rate_and_a_burst() -> None:
 
 def test_too_many_tokens_in_one_request_is_too_large() -> None:
     limits = RequestLimits(max_tokens=100)
-    assert limits.check_request(wire.Allocate(id=1, seq="s", tokens=_tokens(100))) is None
-    denial = limits.check_request(wire.Append(id=1, seq="s", tokens=_tokens(101)))
+    assert limits.check_request(wire.AllocateRequest(id=1, seq="s", tokens=_tokens(100))) is None
+    denial = limits.check_request(wire.AppendRequest(id=1, seq="s", tokens=_tokens(101)))
     assert denial is not None and denial.code == wire.Code.TOO_LARGE
 
 
 def test_a_reservation_beyond_the_limit_is_too_large() -> None:
     limits = RequestLimits(max_tokens=100)
-    denial = limits.check_request(wire.Allocate(id=1, seq="s", tokens=_tokens(1), reserve=10**9))
+    denial = limits.check_request(
+        wire.AllocateRequest(id=1, seq="s", tokens=_tokens(1), reserve=10**9)
+    )
     assert denial is not None and denial.code == wire.Code.TOO_LARGE
-    assert limits.check_request(wire.Fork(id=1, seq="s", child="c", reserve=101)) is not None
-    assert limits.check_request(wire.Commit(id=1, seq="s", n=10**9)) is None  # no size in a commit
+    assert limits.check_request(wire.ForkRequest(id=1, seq="s", child="c", reserve=101)) is not None
+    # No size in a commit.
+    assert limits.check_request(wire.CommitRequest(id=1, seq="s", n=10**9)) is None
 
 
 def test_zero_limits_leave_the_protocol_limits_alone() -> None:
     limits = RequestLimits()
-    big = wire.Allocate(id=1, seq="s", tokens=_tokens(5000), reserve=2**40)
+    big = wire.AllocateRequest(id=1, seq="s", tokens=_tokens(5000), reserve=2**40)
     assert limits.check_request(big) is None
     assert limits.check_sequences(10**6) is None
 
@@ -472,8 +475,8 @@ def test_a_hello_outside_the_namespace_rules_is_forbidden_over_ipc(start_kvd) ->
 
 def test_admin_requests_need_an_admin_once_admins_are_set(start_kvd) -> None:
     daemon = start_kvd(overrides={"security.admins": '["uid:4242"]'})
-    assert isinstance(daemon.call(wire.Ping(id=1)), wire.OkReply)
-    reply = daemon.call(wire.Stats(id=2))
+    assert isinstance(daemon.call(wire.PingRequest(id=1)), wire.OkReply)
+    reply = daemon.call(wire.StatsRequest(id=2))
     assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.FORBIDDEN
 
 

@@ -140,7 +140,7 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvd exited with {self.proc.returncode}: {self.log_path}")
-            if isinstance(call(self.address, wire.Ping(id=1), 200), wire.OkReply):
+            if isinstance(call(self.address, wire.PingRequest(id=1), 200), wire.OkReply):
                 self.started = time.monotonic()
                 return
         raise RuntimeError(f"kvd did not answer within {timeout} s: {self.log_path}")
@@ -158,7 +158,7 @@ class Daemon:
         until then the count grows by the workers' own sockets and pidfds.
         """
         if not self.attached:
-            reply = call(self.address, wire.Clients(id=1), 1000)
+            reply = call(self.address, wire.ClientsRequest(id=1), 1000)
             if not isinstance(reply, wire.OkReply):
                 return
             self.attached = len(reply.result["info"]["sessions"]) >= self.workers
@@ -268,7 +268,7 @@ class Soak:
 
     def check(self) -> None:
         self.checks += 1
-        result = self.daemon.info(wire.Check(id=1))
+        result = self.daemon.info(wire.CheckRequest(id=1))
         if not result["ok"]:
             self.failed_checks.append(result["problems"])
 
@@ -313,13 +313,13 @@ class Soak:
 
     def finish(self, elapsed: float) -> dict[str, Any]:
         deadline = time.monotonic() + 10
-        while self.daemon.info(wire.Clients(id=1))["info"]["sessions"]:
+        while self.daemon.info(wire.ClientsRequest(id=1))["info"]["sessions"]:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         self.check()
         self.daemon.sample_rss()
-        stats = self.daemon.info(wire.Stats(id=1))["info"]
+        stats = self.daemon.info(wire.StatsRequest(id=1))["info"]
         blocks = stats["blocks"]["default"]
         counts = self.counts()
         errors = {k[4:]: v for k, v in counts.items() if k.startswith("err.")}

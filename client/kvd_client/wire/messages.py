@@ -32,44 +32,44 @@ from kvd_client.wire.payloads import Blocks, pack, token_frame
 __all__ = [
     "REQUESTS",
     "RESULTS",
-    "Allocate",
+    "AllocateRequest",
     "AllocateResult",
-    "Append",
+    "AppendRequest",
     "AppendResult",
-    "Batch",
+    "BatchRequest",
     "BatchResult",
-    "CanAllocate",
+    "CanAllocateRequest",
     "CanAllocateResult",
-    "Check",
+    "CheckRequest",
     "CheckResult",
-    "Clients",
-    "Commit",
+    "ClientsRequest",
+    "CommitRequest",
     "CommitResult",
     "Empty",
-    "Flush",
+    "FlushRequest",
     "FlushResult",
-    "Fork",
+    "ForkRequest",
     "ForkResult",
-    "Free",
-    "Goodbye",
-    "Heartbeat",
-    "Hello",
+    "FreeRequest",
+    "GoodbyeRequest",
+    "HeartbeatRequest",
+    "HelloRequest",
     "HelloResult",
     "Info",
     "InfoResult",
     "Message",
     "OpResult",
-    "Pin",
+    "PinRequest",
     "PinResult",
-    "Ping",
+    "PingRequest",
     "PingResult",
-    "Pools",
+    "PoolsRequest",
     "Request",
     "Result",
-    "Stats",
-    "Truncate",
+    "StatsRequest",
+    "TruncateRequest",
     "TruncateResult",
-    "Unpin",
+    "UnpinRequest",
 ]
 
 M = TypeVar("M", bound="Message")
@@ -120,7 +120,7 @@ class Request(Message):
 
     __slots__ = ()
     KIND: ClassVar[Kind]
-    #: Request kinds that may appear inside a `Batch`.
+    #: Request kinds that may appear inside a `BatchRequest`.
     BATCHABLE: ClassVar[bool] = False
     #: Operator requests (stats, flush...) allowed before/without a hello.
     ADMIN: ClassVar[bool] = False
@@ -158,7 +158,7 @@ _KIND_BYTES: Final = {kind: bytes((kind,)) for kind in Kind}
 
 
 @_req(Kind.HELLO)
-class Hello(Request):
+class HelloRequest(Request):
     """Open a session. ``layout`` and ``hash_seed``, when given, must match the pool.
 
     ``create`` (with ``layout``): when no pool ``pool`` exists, the daemon
@@ -185,21 +185,21 @@ class Hello(Request):
 
 
 @_req(Kind.HEARTBEAT)
-class Heartbeat(Request):
+class HeartbeatRequest(Request):
     """Renew the lease without doing anything else."""
 
     id: int
 
 
 @_req(Kind.GOODBYE)
-class Goodbye(Request):
+class GoodbyeRequest(Request):
     """Close the session: its sequences are freed and its pins released."""
 
     id: int
 
 
 @_req(Kind.ALLOCATE, batchable=True)
-class Allocate(Request):
+class AllocateRequest(Request):
     """Match the longest cached prefix, allocate the rest, reserve room to ``reserve`` tokens."""
 
     id: int
@@ -209,7 +209,7 @@ class Allocate(Request):
 
 
 @_req(Kind.COMMIT, batchable=True)
-class Commit(Request):
+class CommitRequest(Request):
     """The first ``n`` tokens (all when omitted) are written; full blocks become cached."""
 
     id: int
@@ -218,7 +218,7 @@ class Commit(Request):
 
 
 @_req(Kind.APPEND, batchable=True)
-class Append(Request):
+class AppendRequest(Request):
     """Grow the sequence by ``tokens``; may answer copy-on-write copies."""
 
     id: int
@@ -227,7 +227,7 @@ class Append(Request):
 
 
 @_req(Kind.FORK, batchable=True)
-class Fork(Request):
+class ForkRequest(Request):
     """Share every block of ``seq`` with a new sequence ``child``."""
 
     id: int
@@ -237,7 +237,7 @@ class Fork(Request):
 
 
 @_req(Kind.TRUNCATE, batchable=True)
-class Truncate(Request):
+class TruncateRequest(Request):
     """Keep the first ``n`` tokens (rolls back rejected speculative tokens)."""
 
     id: int
@@ -246,7 +246,7 @@ class Truncate(Request):
 
 
 @_req(Kind.FREE, batchable=True)
-class Free(Request):
+class FreeRequest(Request):
     """Release the sequence; its committed full blocks stay cached."""
 
     id: int
@@ -254,7 +254,7 @@ class Free(Request):
 
 
 @_req(Kind.PIN, batchable=True)
-class Pin(Request):
+class PinRequest(Request):
     """Pin the committed full blocks of the first ``n`` tokens (all committed when omitted)."""
 
     id: int
@@ -263,7 +263,7 @@ class Pin(Request):
 
 
 @_req(Kind.UNPIN, batchable=True)
-class Unpin(Request):
+class UnpinRequest(Request):
     """Release a pin made by this session."""
 
     id: int
@@ -271,7 +271,7 @@ class Unpin(Request):
 
 
 @_req(Kind.CAN_ALLOCATE, batchable=True)
-class CanAllocate(Request):
+class CanAllocateRequest(Request):
     """Would an allocation of ``tokens`` tokens (reserving ``reserve``) be admitted now?"""
 
     id: int
@@ -280,7 +280,7 @@ class CanAllocate(Request):
 
 
 @_req(Kind.BATCH)
-class Batch(Request):
+class BatchRequest(Request):
     """Many operations of one scheduler step in one round trip.
 
     ``ops`` is a list of ``[kind, body]`` pairs of batchable kinds; token
@@ -294,7 +294,7 @@ class Batch(Request):
 
 
 @_req(Kind.STATS, admin=True)
-class Stats(Request):
+class StatsRequest(Request):
     """The daemon's statistics, by section (all sections when ``sections`` is omitted)."""
 
     id: int
@@ -302,14 +302,14 @@ class Stats(Request):
 
 
 @_req(Kind.CHECK, admin=True)
-class Check(Request):
+class CheckRequest(Request):
     """Run the engine's invariant checks now."""
 
     id: int
 
 
 @_req(Kind.FLUSH, admin=True)
-class Flush(Request):
+class FlushRequest(Request):
     """Drop every evictable cached block (of ``namespace`` when given) and bump the epoch."""
 
     id: int
@@ -317,21 +317,21 @@ class Flush(Request):
 
 
 @_req(Kind.CLIENTS, admin=True)
-class Clients(Request):
+class ClientsRequest(Request):
     """The connected sessions."""
 
     id: int
 
 
 @_req(Kind.POOLS, admin=True)
-class Pools(Request):
+class PoolsRequest(Request):
     """The pools, their layouts and usage."""
 
     id: int
 
 
 @_req(Kind.PING, admin=True)
-class Ping(Request):
+class PingRequest(Request):
     """Liveness: answers the daemon's epoch."""
 
     id: int
