@@ -5,7 +5,7 @@ Everything both sides must agree on, and nothing else, one job per module:
 - `codes`: message kinds, error codes, limits, `ProtocolError`
 - `payloads`: msgpack bodies and the byte forms of token and block ids
 - `codec`: the field schema and the per-kind compiled decoders/encoders
-- `messages`: the typed requests and results
+- `messages`: the typed requests (``XxxRequest``) and results (``XxxResult``)
 - `frames`: whole messages: replies, notices, request/reply decoding, batches
 - `layout`: where a pool's blocks live (`PoolLayout`)
 - `cudamap`: where a cuda pool's bytes are (`CudaMemoryMap`)
