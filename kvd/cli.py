@@ -23,7 +23,7 @@ import kvd
 from kvd.config import Config, load_config
 from kvd.errors import DaemonError
 from kvd.log import configure_logging
-from kvd.server import Daemon
+from kvd.server.daemon import Daemon
 
 __all__ = ["main", "parse_args"]
 

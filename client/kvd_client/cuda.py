@@ -34,7 +34,7 @@ import numpy.typing as npt
 from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.pool import PoolMapping, register_backend
 from kvd_client.wire import PoolLayout
-from kvd_client.wire.cudamap import BACKEND, CudaMemoryMap
+from kvd_client.wire.cudamap import BACKEND, CudaMemoryMap, canonical_uuid, format_uuid
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +43,8 @@ __all__ = [
     "CudaPool",
     "CudaUnavailableError",
     "block_view",
-    "canonical_uuid",
     "copy_blocks",
     "device_uuid",
-    "format_uuid",
     "layer_views",
     "load_cupy",
     "load_torch",
@@ -80,27 +78,6 @@ def load_torch() -> Any:
     except ImportError:
         raise CudaUnavailableError("torch is not installed: pip install 'kvd[torch]'") from None
     return torch
-
-
-def format_uuid(raw: bytes) -> str:
-    """A device's 16 UUID bytes (``cudaDeviceProp.uuid``) in NVML's ``GPU-…`` form."""
-    if type(raw) is not bytes or len(raw) != 16:
-        raise ValueError(f"a device UUID is 16 bytes, got {raw!r}")
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def canonical_uuid(text: str | bytes) -> str | None:
-    """A UUID as NVML or torch writes it, in the ``GPU-…`` form (None when it is not one).
-
-    Takes ``GPU-8f2c…`` (NVML, any case) and ``8f2c1a0e-5b7d-…`` (torch).
-    """
-    if isinstance(text, bytes):
-        text = text.decode("ascii", "replace")
-    digits = text.strip().lower().removeprefix("gpu-").replace("-", "")
-    if len(digits) != 32 or any(c not in "0123456789abcdef" for c in digits):
-        return None
-    return format_uuid(bytes.fromhex(digits))
 
 
 def _uuid_from_nvml(cupy: Any, index: int) -> str | None:

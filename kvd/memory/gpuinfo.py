@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from kvd_client.wire.cudamap import canonical_uuid, format_uuid
+
 from kvd.errors import BackendUnavailableError, NoSuchDeviceError
 
 __all__ = [
@@ -84,15 +86,6 @@ def _visible(device: int) -> Any:
     return cupy_module().cuda.runtime
 
 
-def _uuid_form(text: str) -> str | None:
-    """A UUID's 32 hex digits (any case, dashes or a ``GPU-`` prefix allowed)
-    in NVML's ``GPU-…`` form, as `kvd_client.wire.CudaMemoryMap` requires."""
-    h = text.strip().lower().removeprefix("gpu-").replace("-", "")
-    if len(h) != 32 or any(c not in "0123456789abcdef" for c in h):
-        return None
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
 def device_uuid(device: int) -> str:
     """The GPU's UUID in NVML's ``GPU-…`` form.
 
@@ -102,7 +95,7 @@ def device_uuid(device: int) -> str:
     runtime = _visible(check_device(device))
     raw = bytes(runtime.getDeviceProperties(device).get("uuid", b""))
     uuid = (
-        (_uuid_form(raw.hex()) if len(raw) == 16 else None)
+        (format_uuid(raw) if len(raw) == 16 else None)
         or _uuid_from_nvml(runtime, device)
         or _uuid_from_torch(device)
     )
@@ -123,14 +116,14 @@ def _uuid_from_nvml(runtime: Any, device: int) -> str | None:
         text = nvml.nvmlDeviceGetUUID(handle)
     except Exception:  # NVMLError, or no answer: try the next source
         return None
-    return _uuid_form(text.decode("ascii", "replace") if isinstance(text, bytes) else str(text))
+    return canonical_uuid(text)
 
 
 def _uuid_from_torch(device: int) -> str | None:
     try:
         import torch  # noqa: PLC0415 (optional dependency)
 
-        return _uuid_form(str(torch.cuda.get_device_properties(device).uuid))
+        return canonical_uuid(str(torch.cuda.get_device_properties(device).uuid))
     except Exception:  # no torch, no CUDA in torch, or no uuid field: no answer
         return None
 

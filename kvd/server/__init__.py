@@ -1,8 +1,7 @@
 """The daemon shell: anyio + zmq around the engine and the pools' memory.
 
 Only `kvd.cli` imports this package (an import-linter contract).
+
+The daemon is `kvd.server.daemon.Daemon`; this package imports nothing, so
+its modules import each other without a cycle through it.
 """
-
-from kvd.server.daemon import Daemon
-
-__all__ = ["Daemon"]

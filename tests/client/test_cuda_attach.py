@@ -18,16 +18,14 @@ from kvd_client.cuda import (
     CudaPool,
     CudaUnavailableError,
     block_view,
-    canonical_uuid,
     copy_blocks,
     device_uuid,
-    format_uuid,
     layer_views,
 )
 from kvd_client.errors import InternalError, LayoutMismatch
 from kvd_client.pool import BACKENDS, open_pool
 from kvd_client.wire import POOL_ALIGN, CudaMemoryMap, PoolLayout
-from kvd_client.wire.cudamap import HANDLE_BYTES
+from kvd_client.wire.cudamap import HANDLE_BYTES, canonical_uuid, format_uuid
 
 UUID_BYTES = bytes.fromhex("8f2c1a0e5b7d4c3a9e1f00112233aabb")
 UUID = "GPU-8f2c1a0e-5b7d-4c3a-9e1f-00112233aabb"

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from kvd_client.wire.layout import PAGE, POOL_ALIGN
 
-__all__ = ["BACKEND", "HANDLE_BYTES", "CudaMemoryMap"]
+__all__ = ["BACKEND", "HANDLE_BYTES", "CudaMemoryMap", "canonical_uuid", "format_uuid"]
 
 #: ``memory["backend"]`` of a cuda pool.
 BACKEND: Final = "cuda"
@@ -38,6 +38,27 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def _is_int(value: object) -> bool:
     return type(value) is int
+
+
+def format_uuid(raw: bytes) -> str:
+    """A device's 16 UUID bytes (``cudaDeviceProp.uuid``) in NVML's ``GPU-…`` form."""
+    if type(raw) is not bytes or len(raw) != 16:
+        raise ValueError(f"a device UUID is 16 bytes, got {raw!r}")
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def canonical_uuid(text: str | bytes) -> str | None:
+    """A UUID as NVML or torch writes it, in the ``GPU-…`` form (None when it is not one).
+
+    Takes ``GPU-8f2c…`` (NVML, any case) and ``8f2c1a0e-5b7d-…`` (torch).
+    """
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    digits = text.strip().lower().removeprefix("gpu-").replace("-", "")
+    if len(digits) != 32 or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return format_uuid(bytes.fromhex(digits))
 
 
 @dataclass(frozen=True, slots=True)
