@@ -280,3 +280,157 @@ def valid_ops(draw: st.DrawFn) -> list[bytes]:
 messages = st.one_of(
     valid_ops(), valid_ops(), random_frames, type_confusion(), wild_requests(), mutated(), huge
 )
+
+
+# -- issue #14: multi-frame messages, msgpack bombs, session floods -----------------------
+
+#: Largest bomb body the CI round builds (the daemon-level tests send 8 and 32 MB).
+BOMB_MAX_BYTES = 1 << 20
+_CONTAINERS = {
+    "array": (b"\x90", b"\xdc"),  # fixarray(0), array16 header
+    "map": (b"\x80", b"\xde"),  # fixmap(0), map16 header
+}
+
+
+class Bomb(bytes):
+    """Bytes of a bomb with a short repr (a failing example prints its family and size)."""
+
+    family = "bomb"
+
+    def __repr__(self) -> str:
+        return f"Bomb({self.family}, {len(self)} B, {bytes(self[:12])!r}...)"
+
+
+def _bomb(family: str, data: bytes) -> Bomb:
+    bomb = Bomb(data)
+    bomb.family = family
+    return bomb
+
+
+def _wide(kind: str, item: bytes, n: int) -> bytes:
+    """A container of ``n`` (< 65536) copies of ``item`` (``item`` a key/value pair for maps)."""
+    return _CONTAINERS[kind][1] + n.to_bytes(2, "big") + item * n
+
+
+@st.composite
+def msgpack_bomb(draw: st.DrawFn, max_bytes: int = BOMB_MAX_BYTES) -> Bomb:
+    """A msgpack body, small on the wire, that decodes into many objects or deep nesting.
+
+    Families: deep nesting of one-element arrays/maps; wide containers of empty
+    containers (one byte each, ~64 B each decoded); two levels of wide containers (past
+    the per-container limits in total); wide containers of distinct short strings or
+    floats (objects that are not shared singletons); and claims of huge lengths.
+    """
+    family = draw(st.sampled_from(["deep", "wide", "nested", "strings", "floats", "claim"]))
+    return _bomb(family, _bomb_bytes(draw, family, draw(st.integers(1024, max_bytes))))
+
+
+def _bomb_bytes(draw: st.DrawFn, family: str, size: int) -> bytes:
+    if family == "deep":
+        depth = min(size, draw(st.integers(100, 100_000)))
+        opener = draw(st.sampled_from([b"\x91", b"\x81\x00"]))  # [x] or {0: x}
+        return opener * depth + b"\xc0"
+    if family == "wide":
+        kind = draw(st.sampled_from(["array", "map"]))
+        empty = draw(st.sampled_from([b"\x90", b"\x80"]))
+        item = empty if kind == "array" else b"\xa1k" + empty  # maps: one key, many values
+        return _wide(kind, item, min(65535, size // len(item)))
+    if family == "nested":
+        inner_n = draw(st.sampled_from([1024, 4096, 16384]))
+        inner = _wide("array", draw(st.sampled_from([b"\x90", b"\x80", b"\xc0"])), inner_n)
+        return _wide("array", inner, max(1, min(65535, size // len(inner))))
+    if family == "strings":
+        n = min(65535, size // 4)
+        items = b"".join(b"\xa3" + b"%03x" % (i & 0xFFF) for i in range(n))  # each a new str
+        return _CONTAINERS["array"][1] + n.to_bytes(2, "big") + items
+    if family == "floats":
+        n = min(65535, size // 5)
+        return _wide("array", b"\xca\x3f\x80\x00\x01", n)
+    return draw(
+        st.sampled_from(
+            [
+                b"\xdd\xff\xff\xff\xff",  # array32 of 4 Gi elements, none sent
+                b"\xdf\xff\xff\xff\xff",  # map32 of 4 Gi entries
+                b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+                b"\xdd\x00\x01\x00\x00" + b"\x90" * 100,  # 65536 claimed, 100 sent
+            ]
+        )
+    )
+
+
+@st.composite
+def bomb_messages(draw: st.DrawFn, max_bytes: int = BOMB_MAX_BYTES) -> list[bytes]:
+    """A request kind (known or not) with a bomb for a body, or a bomb inside a batch."""
+    body = draw(msgpack_bomb(max_bytes))
+    kind = draw(st.sampled_from([wire.Kind.PING, wire.Kind.HELLO, wire.Kind.BATCH, 0x7E]))
+    if draw(st.booleans()):
+        return [bytes((kind,)), body]
+    # The bomb as a field of an otherwise valid body: {"id": 1, "ops"/"sections": <bomb>}
+    field = draw(st.sampled_from(["ops", "sections", "layout", "x"]))
+    prefix = b"\x82\xa2id\x01" + pack(field)
+    return [bytes((kind,)), _bomb(f"{body.family} in {field!r}", prefix + body)]
+
+
+@st.composite
+def multi_frame(draw: st.DrawFn) -> list[bytes]:
+    """A valid request followed by many extra frames, around `wire.MAX_FRAMES`.
+
+    Extra frames are empty, one byte, token-sized, or a few large ones; the total
+    stays small enough for the in-process dispatcher.
+    """
+    base = list(draw(st.sampled_from(TEMPLATES)))
+    count = draw(
+        st.one_of(
+            st.integers(0, 8),
+            st.integers(wire.MAX_FRAMES - len(base) - 2, wire.MAX_FRAMES - len(base) + 2),
+            st.integers(wire.MAX_FRAMES, 2 * wire.MAX_FRAMES),
+        )
+    )
+    shape = draw(st.sampled_from(["empty", "byte", "tokens", "mixed"]))
+    if shape == "empty":
+        extras = [b""] * count
+    elif shape == "byte":
+        extras = [b"\x00"] * count
+    elif shape == "tokens":
+        extras = [np.arange(draw(st.integers(0, 64)), dtype="<i4").tobytes()] * count
+    else:
+        extras = [
+            draw(st.sampled_from([b"", b"\x01", bytes(4 * BS), bytes(4096)])) for _ in range(count)
+        ]
+    return base + extras
+
+
+@st.composite
+def session_flood(draw: st.DrawFn, identities: int = 48) -> list[tuple[str, bytes]]:
+    """A flood of connections: hellos from many identities (more than any session limit),
+    some goodbyes and requests in between, as ``(action, identity)`` pairs."""
+    n = draw(st.integers(8, identities))
+    ids = [b"flood-%d" % k for k in range(n)]
+    ops: list[tuple[str, bytes]] = [("hello", i) for i in ids]
+    extra = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["hello", "goodbye", "ping", "allocate"]), st.sampled_from(ids)
+            ),
+            max_size=3 * n,
+        )
+    )
+    ops += extra
+    return draw(st.permutations(ops))
+
+
+def flood_frames(action: str, identity: bytes) -> list[bytes]:
+    """The frames of one `session_flood` action."""
+    if action == "hello":
+        return wire.HelloRequest(
+            id=1,
+            version=wire.PROTOCOL_VERSION,
+            pool="default",
+            name=identity.decode(),
+            pid=1,
+        ).encode()
+    if action == "goodbye":
+        return wire.GoodbyeRequest(id=2).encode()
+    if action == "allocate":
+        return wire.AllocateRequest(id=3, seq="f", tokens=np.arange(BS, dtype=np.int32)).encode()
+    return wire.PingRequest(id=4).encode()
