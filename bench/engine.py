@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine import Allocation, Appended, Engine, EngineConfig
-from kvd.engine.hashing import BlockHasher
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8192

@@ -30,8 +30,7 @@ from typing import Any
 import cbor2
 import numpy as np
 import numpy.typing as npt
-
-from kvd.engine.hashing import BlockHasher, root_digest
+from kvd_client.wire.hashing import BlockHasher, root_digest
 
 BLOCK_SIZE = 16
 # Llama 2 / Mistral, Llama 3, Qwen 2: the share of ids of each CBOR width differs.

@@ -38,10 +38,10 @@ import statistics
 import sys
 
 import numpy as np
+from kvd_client.wire.hashing import BlockHasher
 
 from bench import engine as workload
 from bench._common import Figure, machine, print_table, write_results
-from kvd.engine.hashing import BlockHasher
 
 __all__ = ["compare", "main"]
 

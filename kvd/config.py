@@ -34,8 +34,9 @@ from typing import Any, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from kvd_client.wire import DTYPE_SIZES, PoolLayout
+from kvd_client.wire.hashing import DEFAULT_HASH_SEED
 
-from kvd.engine import DEFAULT_HASH_SEED, EVICTION_POLICIES
+from kvd.engine import EVICTION_POLICIES
 from kvd.errors import ConfigError
 from kvd.memory import BACKENDS
 

@@ -1,7 +1,8 @@
 """kvd's block engine and prefix cache: pure, synchronous, metadata only.
 
 See ``docs/architecture.md`` for the contract. Imports only the standard
-library and numpy.
+library, numpy and the block-key function of the wire contract
+(`kvd_client.wire.hashing`: clients compute the same keys).
 """
 
 from kvd.engine.checks import TokensLike
@@ -16,12 +17,13 @@ from kvd.engine.errors import (
     NotFoundError,
 )
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from kvd.engine.hashing import DEFAULT_HASH_SEED
 from kvd.engine.results import (
     Allocation,
     Appended,
     Committed,
     Forked,
+    Granted,
+    Looked,
     Pinned,
     Refusal,
     Truncated,
@@ -29,7 +31,6 @@ from kvd.engine.results import (
 from kvd.engine.stats import EngineStats, NamespaceStats
 
 __all__ = [
-    "DEFAULT_HASH_SEED",
     "EVICTION_POLICIES",
     "AllBlocksCleared",
     "Allocation",
@@ -45,8 +46,10 @@ __all__ = [
     "Event",
     "ExistsError",
     "Forked",
+    "Granted",
     "InvalidError",
     "InvariantError",
+    "Looked",
     "NamespaceStats",
     "NotFoundError",
     "Pinned",

@@ -20,7 +20,14 @@ from kvd.engine.prefix_index import PrefixIndex
 from kvd.engine.results import Refusal
 from kvd.engine.sequence import SequenceState
 
-__all__ = ["Account", "Accounts", "NamespaceAccount", "SessionAccount", "unmet_minimums"]
+__all__ = [
+    "Account",
+    "Accounts",
+    "HoldState",
+    "NamespaceAccount",
+    "SessionAccount",
+    "unmet_minimums",
+]
 
 
 class Account:
@@ -65,14 +72,14 @@ class NamespaceAccount(Account):
 
 
 class SessionAccount(Account):
-    """A client's sequences (ids scoped to the session) and pins, in one
-    namespace and with one adapter identity, fixed at open.
+    """A client's sequences (ids scoped to the session), pins and holds, in
+    one namespace and with one adapter identity, fixed at open.
 
     ``pending`` holds the sources of copies named in the session's last
     reply: each keeps one ref (and one block of usage) until the session's
     next engine call, by which time the client has copied from it."""
 
-    __slots__ = ("adapter", "namespace", "pending", "pins", "seqs", "sid")
+    __slots__ = ("adapter", "holds", "namespace", "pending", "pins", "seqs", "sid")
 
     def __init__(
         self,
@@ -88,12 +95,31 @@ class SessionAccount(Account):
         self.adapter = adapter
         self.seqs: dict[str, SequenceState] = {}
         self.pins: dict[int, list[Block]] = {}
+        #: The holds this session made (`kvd.engine.holds`), by id.
+        self.holds: dict[int, HoldState] = {}
         self.pending: list[Block] = []
 
     def __repr__(self) -> str:
         return (
             f"SessionAccount({self.sid}, namespace={self.namespace.name!r}, seqs={len(self.seqs)})"
         )
+
+
+class HoldState:
+    """One hold: its blocks by id, which of them were granted fresh, and its owner."""
+
+    __slots__ = ("blocks", "epoch", "granted", "hold_id", "owner")
+
+    def __init__(
+        self, hold_id: int, owner: SessionAccount, blocks: list[Block], granted: bool
+    ) -> None:
+        self.hold_id = hold_id
+        self.owner = owner
+        #: The owner's namespace epoch when the hold was made: after a flush it never publishes.
+        self.epoch = owner.namespace.epoch
+        self.blocks = {b.block_id: b for b in blocks}
+        #: Ids of blocks granted fresh and not yet published (the only publishable ones).
+        self.granted = set(self.blocks) if granted else set()
 
 
 def unmet_minimums(namespaces: Iterable[NamespaceAccount], requester: SessionAccount) -> int:

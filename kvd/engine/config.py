@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd_client.wire.hashing import DEFAULT_HASH_SEED
+
 from kvd.engine.errors import InvalidError
-from kvd.engine.hashing import DEFAULT_HASH_SEED
 
 __all__ = ["EVICTION_POLICIES", "EngineConfig"]
 

@@ -6,6 +6,7 @@ import itertools
 import operator
 
 import numpy as np
+from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine.accounts import Accounts, SessionAccount
 from kvd.engine.block import Block
@@ -14,7 +15,7 @@ from kvd.engine.config import EngineConfig
 from kvd.engine.errors import ExistsError, InvalidError, NotFoundError
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvd.engine.frequency import FrequencyPool
-from kvd.engine.hashing import BlockHasher
+from kvd.engine.holds import HoldTable, keys_of
 from kvd.engine.invariants import check_invariants
 from kvd.engine.pool import BlockPool
 from kvd.engine.results import (
@@ -22,6 +23,8 @@ from kvd.engine.results import (
     Appended,
     Committed,
     Forked,
+    Granted,
+    Looked,
     Pinned,
     Refusal,
     Truncated,
@@ -69,6 +72,12 @@ class Engine:
         self._sessions = self._accounts.sessions
         self._emit = config.events
         self._events: list[Event] = []
+        self._holds = HoldTable(
+            self._pool,
+            self._accounts,
+            config.block_size,
+            self._queue_event if config.events else None,
+        )
         self._pin_ids = itertools.count(1)
         #: Pinned block -> its pins (few blocks are pinned: no slot on every block).
         self._pins: dict[Block, int] = {}
@@ -102,13 +111,14 @@ class Engine:
         self._accounts.set_limits(namespace, quota, minimum)
 
     def close_session(self, sid: int) -> None:
-        """Free the session's sequences and release its pins; committed
-        blocks stay cached."""
+        """Free the session's sequences and release its pins and holds;
+        committed blocks stay cached."""
         sess = self._session(sid)
         for seq_id in list(sess.seqs):
             self.free(sid, seq_id)
         for pin_id in list(sess.pins):
             self.unpin(sid, pin_id)
+        self._holds.close(sess)
         self._accounts.close(sess)
 
     def sequences_of(self, sid: int) -> int:
@@ -170,13 +180,22 @@ class Engine:
     # Sequences
 
     def allocate(
-        self, sid: int, seq_id: str, tokens: TokensLike, reserve: int | None = None
+        self,
+        sid: int,
+        seq_id: str,
+        tokens: TokensLike,
+        reserve: int | None = None,
+        keys: list[bytes] | None = None,
     ) -> Allocation | Refusal:
         """Create sequence ``seq_id`` for ``tokens``: match the longest cached
         prefix (capped so the last token is always computed), allocate the
         rest and hold blocks in reserve for growth to ``reserve`` tokens
         (None, or no more than the prompt: no reservation). Prefix hits
-        count as committed."""
+        count as committed.
+
+        ``keys``: the caller's keys of every full block of ``tokens`` (the
+        daemon's clients compute them, so its request thread never hashes);
+        None: the engine hashes what it needs."""
         sess = self._session(sid)
         if sequence_id(seq_id) in sess.seqs:
             raise ExistsError(f"sequence {seq_id!r} already exists in session {sid}")
@@ -189,12 +208,20 @@ class Engine:
         out = reserve_blocks - num_blocks
         ns = sess.namespace
         cap = (length - 1) // bs if length else 0
-        keys = (
-            self._hasher.keys(arr[: cap * bs], None, namespace=ns.name, adapter=sess.adapter)
-            if cap
-            else []
-        )
-        hits = ns.index.match(keys)
+        if keys is None:
+            keys = (
+                self._hasher.keys(arr[: cap * bs], None, namespace=ns.name, adapter=sess.adapter)
+                if cap
+                else []
+            )
+            hits = ns.index.match(keys)
+        else:
+            keys = keys_of(keys, "keys")
+            if len(keys) != length // bs:
+                raise InvalidError(
+                    f"{length} tokens have {length // bs} full blocks, got {len(keys)} keys"
+                )
+            hits = ns.index.match(keys[:cap] if len(keys) > cap else keys)
         num_hits = len(hits)
         idle_hits = [b.ref for b in hits].count(0)
         refusal = self._accounts.admit(
@@ -319,23 +346,33 @@ class Engine:
                 )
             )
 
-    def append(self, sid: int, seq_id: str, tokens: TokensLike) -> Appended | Refusal:
+    def append(
+        self, sid: int, seq_id: str, tokens: TokensLike, keys: list[bytes] | None = None
+    ) -> Appended | Refusal:
         """Grow the sequence by ``tokens``. Writing into a partial last block
         that is shared or cached first moves the sequence to a private copy,
         named in ``copies``; the copy's source stays held, charged to the
         session, until the session's next call (the client copies in
         between). Growth within the reservation is never refused; beyond it,
-        appends may use the watermark."""
+        appends may use the watermark. ``keys``: the caller's keys of the
+        blocks this append fills (see `allocate`)."""
         sess, seq = self._seq(sid, seq_id)
         arr = as_tokens(tokens)
         k = arr.shape[0]
         table = seq.table
         num_blocks = len(table)
         length = seq.length
-        if k == 0:
-            return Appended(num_blocks, [], [], length)
         bs = self.block_size
         new_length = length + k
+        if keys is not None:
+            keys = keys_of(keys, "keys")
+            want = new_length // bs - len(seq.keys)
+            if len(keys) != want:
+                raise InvalidError(
+                    f"the append fills {want} blocks without keys, got {len(keys)} keys"
+                )
+        if k == 0:
+            return Appended(num_blocks, [], [], length)
         new_blocks = -(-new_length // bs) - num_blocks
         cow = 0
         if length % bs:
@@ -354,6 +391,8 @@ class Engine:
                 return refusal
 
         seq.write(arr)
+        if keys:
+            seq.keys += keys
         seq.cow = False
         if not (cow or new_blocks):
             # The common decode step: the token lands in the private last block.
@@ -545,6 +584,39 @@ class Engine:
         self._accounts.charge(sess, -len(blocks), 0)
 
     # ------------------------------------------------------------------
+    # Holds (the block-level mode, `kvd.engine.holds`)
+
+    def lookup(self, sid: int, keys: list[bytes], hold: bool = False) -> Looked | Refusal:
+        """How many leading ``keys`` are cached in the session's namespace; with
+        ``hold``, those blocks held (refused like an allocation when they cannot be)."""
+        return self._holds.lookup(self._session(sid), keys, hold)
+
+    def grant(self, sid: int, n: int) -> Granted | Refusal:
+        """``n`` fresh blocks held for the session to write and then `publish`."""
+        return self._holds.grant(self._session(sid), n)
+
+    def publish(
+        self,
+        sid: int,
+        hold_id: int,
+        blocks: list[int],
+        keys: list[bytes],
+        *,
+        tokens: TokensLike,
+        parent: bytes | None = None,
+    ) -> int:
+        """Granted ``blocks`` are written: cache them under ``keys``; how many were."""
+        sess = self._session(sid)
+        return self._holds.publish(
+            sess, hold_id, blocks, keys, tokens=as_tokens(tokens), parent=parent
+        )
+
+    def release(self, sid: int, hold_id: int, blocks: list[int] | None = None) -> int:
+        """Let go of a hold's blocks (all when None), made by any session of the
+        namespace; how many were released (0 for a hold that is gone)."""
+        return self._holds.release(self._session(sid), hold_id, blocks)
+
+    # ------------------------------------------------------------------
     # Cache control
 
     def flush(self, namespace: str | None = None) -> int:
@@ -574,6 +646,9 @@ class Engine:
             elif removed:
                 self._events.append(BlockRemoved(removed))
         return len(removed)
+
+    def _queue_event(self, event: Event) -> None:
+        self._events.append(event)
 
     def drain_events(self) -> list[Event]:
         """Take the events queued since the last call, oldest first."""
@@ -620,4 +695,4 @@ class Engine:
     def check_invariants(self) -> None:
         """Recompute every derived quantity from scratch and compare; raise
         `InvariantError` listing every problem found (see `kvd.engine.invariants`)."""
-        check_invariants(self._pool, self._accounts, self._pins, self.block_size)
+        check_invariants(self._pool, self._accounts, self._pins, self._holds.holds, self.block_size)

@@ -3,7 +3,7 @@
 They mirror vLLM's KV events (``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared``) so a router built for vLLM can index kvd; the
 publisher turns each 32-byte key into its 64-bit event form
-(`kvd.engine.hashing.event_id`).
+(`kvd_client.wire.hashing.event_id`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ lists everything that is wrong.
 
 from __future__ import annotations
 
-from kvd.engine.accounts import Accounts, SessionAccount
+from kvd.engine.accounts import Accounts, HoldState, SessionAccount
 from kvd.engine.block import Block
 from kvd.engine.errors import InvariantError
 from kvd.engine.pool import BlockPool
@@ -17,10 +17,15 @@ __all__ = ["check_invariants"]
 
 
 def check_invariants(
-    pool: BlockPool, accounts: Accounts, pins: dict[Block, int], block_size: int
+    pool: BlockPool,
+    accounts: Accounts,
+    pins: dict[Block, int],
+    holds: dict[int, HoldState],
+    block_size: int,
 ) -> None:
     """Raise `InvariantError` listing every problem of the engine state made of
-    ``pool``, ``accounts`` and ``pins`` (pinned block -> its pins)."""
+    ``pool``, ``accounts``, ``pins`` (pinned block -> its pins) and ``holds``
+    (every hold by id)."""
     problems: list[str] = []
     holders = [0] * pool.num_blocks
     pinned = [0] * pool.num_blocks
@@ -32,6 +37,7 @@ def check_invariants(
         )
         outstanding += reserved
         ns_usage[sess.namespace.name] += usage
+    _hold_problems(accounts, holds, problems)
     _namespace_problems(accounts, ns_usage, problems)
     if outstanding != accounts.outstanding:
         problems.append(
@@ -120,6 +126,19 @@ def _session_problems(
         if len({id(b) for b in pin_blocks}) != len(pin_blocks):
             problems.append(f"session {sid} pin {pin_id}: a block appears twice")
         usage += len(pin_blocks)
+    for hold_id, hold in sess.holds.items():
+        if hold.hold_id != hold_id or hold.owner is not sess:
+            problems.append(f"session {sid} hold {hold_id}: filed under the wrong id or owner")
+        if not hold.blocks:
+            problems.append(f"session {sid} hold {hold_id}: empty but kept")
+        for bid, block in hold.blocks.items():
+            if block.block_id != bid:
+                problems.append(f"session {sid} hold {hold_id}: block {bid} filed as another")
+            holders[block.block_id] += 1
+        for bid in hold.granted:
+            if bid not in hold.blocks or hold.blocks[bid].key is not None:
+                problems.append(f"session {sid} hold {hold_id}: granted block {bid} not unkeyed")
+        usage += len(hold.blocks)
     for block in sess.pending:
         holders[block.block_id] += 1
     usage += len(sess.pending)
@@ -128,6 +147,16 @@ def _session_problems(
     if sess.quota is not None and usage > sess.quota:
         problems.append(f"session {sid}: usage {usage} exceeds quota {sess.quota}")
     return usage, reserved
+
+
+def _hold_problems(accounts: Accounts, holds: dict[int, HoldState], problems: list[str]) -> None:
+    """Every hold is its owner's, and the owner is a live session."""
+    owned = {hold_id for sess in accounts.sessions.values() for hold_id in sess.holds}
+    if owned != holds.keys():
+        problems.append(f"holds {sorted(holds)} differ from the sessions' {sorted(owned)}")
+    for hold_id, hold in holds.items():
+        if accounts.sessions.get(hold.owner.sid) is not hold.owner:
+            problems.append(f"hold {hold_id}: its owner session {hold.owner.sid} is gone")
 
 
 def _namespace_problems(accounts: Accounts, ns_usage: dict[str, int], problems: list[str]) -> None:

@@ -11,6 +11,8 @@ __all__ = [
     "Appended",
     "Committed",
     "Forked",
+    "Granted",
+    "Looked",
     "Pinned",
     "Refusal",
     "Truncated",
@@ -76,3 +78,21 @@ class Pinned:
 
     pin_id: int
     blocks: int
+
+
+@dataclass(slots=True)
+class Looked:
+    """A lookup: how many leading keys are cached, and (held) their blocks and hold."""
+
+    cached: int
+    blocks: list[int]
+    #: The hold keeping ``blocks`` (0: nothing held).
+    hold_id: int
+
+
+@dataclass(slots=True)
+class Granted:
+    """Fresh blocks held for the caller to write, and the hold keeping them."""
+
+    hold_id: int
+    blocks: list[int]

@@ -20,9 +20,9 @@ import pytest
 import zmq
 from kvd_client import Client
 from kvd_client.errors import OutOfBlocks
+from kvd_client.wire.hashing import DEFAULT_HASH_SEED, BlockHasher, event_id
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd.engine.hashing import DEFAULT_HASH_SEED, BlockHasher, event_id
 from kvd.memory.shm import remove_stale
 from kvd.server.transport import instance_id
 

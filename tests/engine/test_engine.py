@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine import (
     Allocation,
@@ -12,7 +13,6 @@ from kvd.engine import (
     Committed,
     Truncated,
 )
-from kvd.engine.hashing import BlockHasher
 
 from .support import BS, Checked, MakeEngine, toks
 

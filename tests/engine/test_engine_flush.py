@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine import AllBlocksCleared, Allocation, BlockRemoved, Committed
-from kvd.engine.hashing import BlockHasher
 
 from .support import BS, Checked, toks
 

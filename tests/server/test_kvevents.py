@@ -8,9 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from kvd_client.wire.hashing import BlockHasher, event_id
 
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvd.engine.hashing import BlockHasher, event_id
 from kvd.server.kvevents import END_SEQ, MEDIUM_GPU, EventChannel, KVEventPublisher
 
 BS = 16

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvd.engine.hashing import DEFAULT_HASH_SEED, KEY_SIZE, BlockHasher, event_id, root_digest
+from kvd_client.wire.hashing import DEFAULT_HASH_SEED, KEY_SIZE, BlockHasher, event_id, root_digest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -222,7 +221,7 @@ def test_another_process_computes_the_same_keys() -> None:
     tokens = [int(t) for t in np.random.default_rng(11).integers(0, 150_000, 300)]
     script = (
         "import json, sys\n"
-        "from kvd.engine.hashing import BlockHasher\n"
+        "from kvd_client.wire.hashing import BlockHasher\n"
         "tokens = json.loads(sys.stdin.read())\n"
         "keys = BlockHasher(16).keys(tokens, None, namespace='t', adapter='a')\n"
         "print(json.dumps([k.hex() for k in keys]))\n"
