@@ -81,7 +81,12 @@ from kvd.server.pools import PoolRefusal, Pools
 from kvd.server.reload import reload_config
 from kvd.server.sdnotify import Notifier
 from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
-from kvd.server.sessions import SessionTable, parse_peer_address
+from kvd.server.sessions import (
+    DescriptorBudget,
+    SessionTable,
+    parse_peer_address,
+    raise_nofile_limit,
+)
 
 __all__ = ["Daemon"]
 
@@ -240,7 +245,10 @@ class Daemon:
         linger_ms = 0
         try:
             await self._start()
-            sessions = SessionTable(cfg.server.lease_ms / 1e3)
+            before, after = raise_nofile_limit()
+            if after != before:
+                log.info("nofile_limit_raised", before=before, after=after)
+            sessions = SessionTable(cfg.server.lease_ms / 1e3, descriptors=DescriptorBudget())
             metrics = None
             if cfg.metrics.enabled:
                 metrics = self._start_metrics()

@@ -10,6 +10,7 @@ the pool exists (or answers with the creation's refusal).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -91,9 +92,11 @@ class Handshake:
         check_hash_seed(req.hash_seed, state.config.cache.hash_seed)
         sessions = state.sessions
         previous = sessions.peek(call.identity)
-        limit = state.config.server.max_sessions
-        if previous is None and limit and len(sessions) >= limit:
-            raise RequestError(wire.Code.BUSY, f"the daemon already serves {limit} sessions")
+        if previous is None:
+            # max_sessions (0: no cap of its own), then the descriptors the process has left.
+            busy = sessions.refusal(state.config.server.max_sessions or sys.maxsize)
+            if busy is not None:
+                raise RequestError(wire.Code.BUSY, busy)
         if previous is not None:
             self.close(previous, "hello_again")
         peer = call.peer

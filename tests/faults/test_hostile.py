@@ -235,6 +235,9 @@ def nested_empty_arrays(nbytes: int) -> bytes:
     return b"\xdc" + n.to_bytes(2, "big") + inner * n
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue #14 finding 3: no total decode budget per message yet"
+)
 @pytest.mark.parametrize("megabytes", [8, 32])
 def test_a_msgpack_bomb_is_refused_within_the_decode_budget(
     kvd_daemon: Any, megabytes: int
@@ -267,6 +270,10 @@ def test_a_msgpack_bomb_is_refused_within_the_decode_budget(
 # -- finding 4: an unfinished message grows memory without bound -----------------------
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue #14 finding 4: libzmq buffers an unfinished multipart message without bound",
+)
 def test_an_unfinished_message_does_not_grow_the_daemon_without_bound(kvd_daemon: Any) -> None:
     pid = kvd_daemon.pid
     total, chunk = 1 << 30, bytes(MIB)
@@ -301,6 +308,10 @@ NON_READERS = 200
 REQUESTS_EACH = 40
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue #14 finding 5: queued replies not bounded in bytes, no malloc_trim yet",
+)
 def test_clients_that_never_read_replies_leave_no_memory_behind(kvd_daemon: Any) -> None:
     pid = kvd_daemon.pid
     for _ in range(3):
@@ -332,6 +343,9 @@ def test_clients_that_never_read_replies_leave_no_memory_behind(kvd_daemon: Any)
 # -- finding 6: a paused TCP client can write into reused blocks -----------------------
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue #14 finding 6: local tcp peers are not watched by pid yet"
+)
 def test_a_stopped_local_tcp_client_keeps_its_session_and_its_blocks(
     start_kvd: Any, request: pytest.FixtureRequest, curve_files: dict[str, Path]
 ) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import tracemalloc
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvd_client import wire
@@ -46,6 +47,9 @@ def _settings(examples: int) -> settings:
     )
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue #14 finding 3: no total decode budget per message yet"
+)
 @_settings(40)
 @given(frames=bomb_messages())
 def test_a_msgpack_bomb_decodes_within_the_budget_or_is_refused(frames: list[bytes]) -> None:
