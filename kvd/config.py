@@ -258,6 +258,18 @@ class MemoryConfig:
         )
 
 
+#: The pool keys that are its layout (the contract shared with clients).
+_LAYOUT_KEYS: Final = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "block_size",
+    "num_blocks",
+    "order",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """One pool: a model's KV geometry, its block count and where its bytes live."""
@@ -294,14 +306,16 @@ class PoolConfig:
     @property
     def layout(self) -> PoolLayout:
         """The pool's layout (the contract shared with clients)."""
-        return PoolLayout(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            order=self.order,
+        return PoolLayout(**{key: getattr(self, key) for key in _LAYOUT_KEYS})
+
+    @classmethod
+    def of_layout(cls, name: str, layout: PoolLayout, *, backend: str, device: int) -> PoolConfig:
+        """The config of pool ``name`` for ``layout`` (ConfigError when it is not valid)."""
+        return cls(
+            name=name,
+            backend=backend,
+            device=device,
+            **{key: getattr(layout, key) for key in _LAYOUT_KEYS},
         )
 
 

@@ -311,24 +311,9 @@ class Engine:
             self._pool.publish(blocks)
             self._stored(sess, seq, start, full)
             return Committed(n, full - start)
-        stored: list[Block] = []
-        run = -1
-        for i, block in enumerate(blocks, start):
-            if block.key is None:
-                key = keys[i]
-                if key not in index:
-                    index[key] = block
-                    block.key = key
-                    block.index = index
-                    stored.append(block)
-                    if run < 0:
-                        run = i
-                    continue
-            if run >= 0:
-                self._stored(sess, seq, run, i)
-                run = -1
-        if run >= 0:
-            self._stored(sess, seq, run, full)
+        stored, runs = index.insert(blocks, new_keys, start)
+        for run in runs:
+            self._stored(sess, seq, *run)
         self._pool.publish(stored)
         return Committed(n, len(stored))
 

@@ -168,23 +168,10 @@ class HoldTable:
         if hold.epoch != sess.namespace.epoch:
             return 0
         index = hold.owner.namespace.index
-        stored: list[Block] = []
-        run_start = -1
-        for i, (block, key) in enumerate(zip(blocks, keys, strict=True)):
-            hold.granted.discard(block.block_id)
-            if key not in index:
-                index[key] = block
-                block.key = key
-                block.index = index
-                stored.append(block)
-                if run_start < 0:
-                    run_start = i
-                continue
-            if run_start >= 0:
-                self._stored(hold, keys, tokens, parent, (run_start, i))
-                run_start = -1
-        if run_start >= 0:
-            self._stored(hold, keys, tokens, parent, (run_start, len(blocks)))
+        hold.granted.difference_update(b.block_id for b in blocks)
+        stored, runs = index.insert(blocks, keys)
+        for run in runs:
+            self._stored(hold, keys, tokens, parent, run)
         self._pool.publish(stored)
         return len(stored)
 

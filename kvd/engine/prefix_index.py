@@ -32,3 +32,31 @@ class PrefixIndex(dict[bytes, Block]):
         except ValueError:  # every key matched
             pass
         return found  # type: ignore[return-value]
+
+    def insert(
+        self, blocks: Sequence[Block], keys: Sequence[bytes], first: int = 0
+    ) -> tuple[list[Block], list[tuple[int, int]]]:
+        """Index each unkeyed block of ``blocks`` under its key unless the key is
+        taken (that block stays private: one block per key).
+
+        Returns the blocks indexed and the runs ``[start, end)`` of consecutive
+        indexed positions, counted from ``first`` (one stored event per run).
+        """
+        stored: list[Block] = []
+        runs: list[tuple[int, int]] = []
+        run = -1
+        for i, (block, key) in enumerate(zip(blocks, keys, strict=True), first):
+            if block.key is None and key not in self:
+                self[key] = block
+                block.key = key
+                block.index = self
+                stored.append(block)
+                if run < 0:
+                    run = i
+                continue
+            if run >= 0:
+                runs.append((run, i))
+                run = -1
+        if run >= 0:
+            runs.append((run, first + len(blocks)))
+        return stored, runs

@@ -193,17 +193,8 @@ class Pools:
                 wire.Code.INVALID, f"field 'backend': {backend!r} is not one of {list(BACKENDS)}"
             )
         try:
-            config = PoolConfig(
-                name=req.pool,
-                backend=backend,
-                num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                dtype=layout.dtype,
-                block_size=layout.block_size,
-                num_blocks=layout.num_blocks,
-                order=layout.order,
-                device=0 if req.device is None else req.device,
+            config = PoolConfig.of_layout(
+                req.pool, layout, backend=backend, device=0 if req.device is None else req.device
             )
         except ConfigError as exc:
             raise RequestError(wire.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
