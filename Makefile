@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck imports unit venv clean
+.PHONY: run test test-vllm lint typecheck imports unit venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ imports: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+## test-vllm: tests/vllm in the vLLM venv (scripts/vllm-env.sh: built once into a cache outside the clone, ~2-5 min; reused in well under a second)
+test-vllm:
+	venv=$$(scripts/vllm-env.sh | tail -n 1) && \
+	"$$venv/bin/python" -m pytest -q --import-mode=importlib tests/vllm $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

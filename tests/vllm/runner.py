@@ -1,0 +1,94 @@
+"""One vLLM ``LLM`` in this process: the subprocess side of `tests.vllm.support.run_vllm`.
+
+``python -m tests.vllm.runner SPEC.json`` reads the spec (model dir, token-id
+prompts, max_tokens, block_size, kv_transfer_config, kv_events_config, ...),
+runs each prompt on its own (in order, greedy) and prints one JSON object on
+stdout: per request the output token ids, ``num_cached_tokens`` and timings;
+plus the engine's start-up time. Everything vLLM itself prints goes to stderr
+(fd 1 is pointed at fd 2 before vLLM is imported, for the engine-core child
+too), so stdout is exactly the JSON.
+
+The ``__main__`` guard is required: vLLM spawns its engine core, which
+re-imports the main module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "enable_prefix_caching": spec.get("enable_prefix_caching", True),
+        # The only algorithm whose block hashes equal kvd's keys.
+        "prefix_caching_hash_algo": "sha256_cbor",
+        "block_size": spec["block_size"],
+        "max_model_len": spec.get("max_model_len", 4096),
+        "dtype": spec.get("dtype", "float32"),
+        "seed": 0,
+        # RequestOutput.metrics (first-token timestamps) only with stats on.
+        "disable_log_stats": False,
+    }
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    if spec.get("kv_events_config"):
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
+    requests = []
+    for prompt, salt in zip(spec["prompts"], salts, strict=True):
+        tokens_prompt = TokensPrompt(prompt_token_ids=list(prompt))
+        if salt is not None:
+            tokens_prompt["cache_salt"] = salt
+        t0 = time.perf_counter()
+        (out,) = llm.generate([tokens_prompt], params, use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        metrics = out.metrics
+        ttft_s = None
+        if metrics is not None and getattr(metrics, "first_token_ts", 0):
+            ttft_s = metrics.first_token_ts - (metrics.scheduled_ts or metrics.queued_ts)
+        requests.append(
+            {
+                "output_token_ids": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "wall_s": wall_s,
+                "ttft_s": ttft_s,
+                "first_token_latency_s": getattr(metrics, "first_token_latency", None),
+            }
+        )
+    if spec.get("reset_prefix_cache"):
+        llm.reset_prefix_cache()
+        # One more step so the scheduler publishes what the reset queued.
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+    time.sleep(spec.get("linger_s", 0.0))
+    return {"startup_s": startup_s, "requests": requests}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    result = run(spec)
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()
