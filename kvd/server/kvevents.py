@@ -10,19 +10,31 @@ PUB socket (bound at ``endpoint``), one ZeroMQ message per batch::
 
 Events are tagged maps (vLLM >= 0.24, msgspec ``tag=True`` without
 ``array_like``; the batch itself stays an array), keys in vLLM's order and
-fields with defaults omitted::
+fields with defaults omitted, field for field what vLLM 0.32 publishes
+(``tests/vllm/data/vllm-0.32.0-kv-events.*``, captured from a real vLLM
+process; kvd's payload for the same blocks is byte-identical)::
 
     {"type": "BlockStored", "block_hashes": [u64, ...], "parent_block_hash": u64 | None,
      "token_ids": [int, ...], "block_size": int, "lora_id": None, "medium": "CPU" | "GPU",
-     "lora_name": str | None}
-    {"type": "BlockRemoved", "block_hashes": [u64, ...], "medium": "CPU" | "GPU"}
+     "lora_name": str | None, "extra_keys": [[str, ...] | None, ...], "group_idx": 0,
+     "kv_cache_spec_kind": "full_attention"}
+    {"type": "BlockRemoved", "block_hashes": [u64, ...], "medium": "CPU" | "GPU", "group_idx": 0}
     {"type": "AllBlocksCleared"}
+
+``extra_keys`` has one entry per block, in vLLM's untagged event form
+(``to_event_extra_keys``): the adapter's name (on every block of a LoRA
+session), then the namespace (vLLM's ``cache_salt``: on the sequence's block 0
+only, the block whose ``parent_block_hash`` is None), or None for a block
+with neither; so a router tells namespaces and adapters apart as it does
+vLLM's salts and LoRAs. kvd's pools hold one full-attention layout each: one
+KV cache group, ``group_idx`` 0.
 
 ``wire_format="vllm-legacy"`` emits what vLLM <= 0.23 emitted instead: each
 event a tagged array (``["BlockStored", block_hashes, parent_block_hash,
 token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved",
 block_hashes, medium]``, ``["AllBlocksCleared"]``) and replies without the
-topic frame.
+topic frame (and none of the
+fields added after 0.23: no extra keys, no group).
 
 Replay (ROUTER bound at ``replay_endpoint``): a DEALER (or REQ) sends one
 frame, the first sequence number wanted as 8 bytes big-endian (after an empty
@@ -33,7 +45,7 @@ marker ``[b"", -1 as 8 signed bytes, b""]`` (legacy: ``[seq, payload]`` and
 the gap in the numbers.
 
 Block hashes are the 64-bit event form of kvd's keys, the last 8 bytes of the
-32-byte key read big-endian (``kvd.engine.hashing.event_id``), so they equal
+32-byte key read big-endian (``kvd_client.wire.hashing.event_id``), so they equal
 vLLM's for the same tokens and hash seed.
 
 Wiring (everything runs on the event loop; sockets are used by that thread only)::
@@ -49,7 +61,7 @@ Wiring (everything runs on the event loop; sockets are used by that thread only)
 
 The request path never encodes or sends: ``extend`` keeps the engine's own
 event objects. `KVEventPublisher.flush` converts them (duck-typed by class
-name: ``BlockStored(keys, parent, token_ids, block_size, adapter)``,
+name: ``BlockStored(keys, parent, token_ids, block_size, namespace, adapter)``,
 ``BlockRemoved(keys)``, ``AllBlocksCleared()``), merges consecutive removals
 into one event and consecutive stores that continue the same chain into one,
 and sends one batch per channel. A PUB send never blocks: a subscriber that
@@ -92,6 +104,24 @@ MEDIUM_GPU: Final = "GPU"
 WireFormat = Literal["vllm", "vllm-legacy"]
 
 _WIRE_FORMATS: Final = ("vllm", "vllm-legacy")
+#: ``group_idx`` of every event: a kvd pool is one KV cache group.
+_GROUP_IDX: Final = 0
+#: ``kv_cache_spec_kind`` of every ``BlockStored`` (vLLM's ``KVCacheSpecKind``).
+_SPEC_KIND: Final = "full_attention"
+#: vLLM <= 0.23's array fields, in declaration order (after the tag).
+_LEGACY_FIELDS: Final = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
 #: Most events per channel one flush of `KVEventPublisher.run` takes: about
 #: 0.5 ms of encoding (about 1 µs per block).
 _FLUSH_CHUNK: Final = 256
@@ -398,10 +428,16 @@ class KVEventPublisher:
                 if last is not None and last["type"] == "BlockRemoved":
                     last["block_hashes"].extend(hashes)
                     continue
-                last = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+                last = {
+                    "type": "BlockRemoved",
+                    "block_hashes": hashes,
+                    "medium": medium,
+                    "group_idx": _GROUP_IDX,
+                }
             elif kind == "BlockStored":
                 hashes = [int.from_bytes(key[-8:], "big") for key in event.keys]
                 parent = None if event.parent is None else int.from_bytes(event.parent[-8:], "big")
+                extra_keys = _extra_keys(len(hashes), event.parent is None, event)
                 if (
                     last is not None
                     and last["type"] == "BlockStored"
@@ -413,6 +449,7 @@ class KVEventPublisher:
                     # The next blocks of the same chain: one event, as vLLM sends per step.
                     last["block_hashes"].extend(hashes)
                     last["token_ids"].extend(event.token_ids)
+                    last["extra_keys"].extend(extra_keys)
                     continue
                 last = {
                     "type": "BlockStored",
@@ -423,6 +460,9 @@ class KVEventPublisher:
                     "lora_id": None,
                     "medium": medium,
                     "lora_name": event.adapter,
+                    "extra_keys": extra_keys,
+                    "group_idx": _GROUP_IDX,
+                    "kv_cache_spec_kind": _SPEC_KIND,
                 }
             elif kind == "AllBlocksCleared" or event is _CLEARED:
                 last = {"type": "AllBlocksCleared"}
@@ -434,9 +474,27 @@ class KVEventPublisher:
                 continue
             out.append(last)
         if self._legacy:
-            # msgspec's array_like form: the tag, then the fields in declaration order.
-            return [list(event.values()) for event in out]
+            # msgspec's array_like form: the tag, then vLLM 0.23's fields in declaration order.
+            return [
+                [event["type"], *(event[name] for name in _LEGACY_FIELDS[event["type"]])]
+                for event in out
+            ]
         return out
+
+
+def _extra_keys(n: int, first_is_block0: bool, event: Any) -> list[list[str] | None]:
+    """The ``n`` blocks' extra keys in vLLM's untagged event form (``to_event_extra_keys``).
+
+    vLLM's order is the LoRA name, then the cache salt (kvd's namespace), which
+    only the sequence's block 0 carries.
+    """
+    adapter: str | None = event.adapter
+    every: list[str] | None = None if adapter is None else [adapter]
+    keys: list[list[str] | None] = [every] * n
+    namespace = getattr(event, "namespace", "")
+    if first_is_block0 and namespace and n:
+        keys[0] = [namespace] if adapter is None else [adapter, namespace]
+    return keys
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> None:

@@ -1,6 +1,8 @@
 """kvd.server.kvevents: real SUB and DEALER sockets receive what it publishes, in vLLM's format."""
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -113,6 +115,9 @@ def test_sub_receives_three_frames_in_vllm_format(ctx: Any) -> None:
                 "lora_id": None,
                 "medium": "CPU",
                 "lora_name": None,
+                "extra_keys": [None, None],
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
             }
         ],
         0,
@@ -131,7 +136,12 @@ def test_removed_and_cleared_events(ctx: Any) -> None:
     _, events, rank = _decode(payload)
     assert rank == 3
     assert events == [
-        {"type": "BlockRemoved", "block_hashes": [event_id(k) for k in keys], "medium": "GPU"},
+        {
+            "type": "BlockRemoved",
+            "block_hashes": [event_id(k) for k in keys],
+            "medium": "GPU",
+            "group_idx": 0,
+        },
         {"type": "AllBlocksCleared"},
     ]
     pub.close()
@@ -156,13 +166,20 @@ def test_payload_is_byte_identical_to_vllms_msgspec_encoding(ctx: Any) -> None:
         lora_id: int | None
         medium: str | None
         lora_name: str | None
-        extra_keys: list[Any] | None = None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
         group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
 
     class Removed(KVCacheEvent, tag="BlockRemoved"):
         block_hashes: list[int]
         medium: str | None
         group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
 
     class Cleared(KVCacheEvent, tag="AllBlocksCleared"):
         pass
@@ -190,8 +207,19 @@ def test_payload_is_byte_identical_to_vllms_msgspec_encoding(ctx: Any) -> None:
     expected = KVEventBatch(
         ts=7.25,
         events=[
-            Stored([event_id(head[0])], None, list(range(16)), BS, None, "CPU", "sql-lora"),
-            Removed([event_id(k) for k in tail], "CPU"),
+            Stored(
+                [event_id(head[0])],
+                None,
+                list(range(16)),
+                BS,
+                None,
+                "CPU",
+                "sql-lora",
+                extra_keys=[("sql-lora",)],
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            ),
+            Removed([event_id(k) for k in tail], "CPU", group_idx=0),
             Stored(
                 [event_id(k) for k in tail],
                 event_id(head[0]),
@@ -200,6 +228,9 @@ def test_payload_is_byte_identical_to_vllms_msgspec_encoding(ctx: Any) -> None:
                 None,
                 "CPU",
                 None,
+                extra_keys=[None, None],
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
             ),
             Cleared(),
         ],
@@ -610,4 +641,134 @@ def test_replay_waits_for_a_slow_peer_instead_of_dropping(ctx: Any) -> None:
     assert stalled, "the peer's queue never filled up"
     assert [int.from_bytes(r[2], "big", signed=True) for r in replies] == [*range(10), -1]
     dealer.close()
+    pub.close()
+
+
+#: KV events of a real vLLM 0.32 process (tests/vllm/capture_events.py): 2 blocks of 32
+#: tokens plain, the same with cache_salt "tenant-a", then a prefix-cache reset.
+VLLM_CAPTURE = Path(__file__).resolve().parents[1] / "vllm" / "data"
+
+
+def _captured() -> tuple[list[list[bytes]], dict[str, Any]]:
+    frames = msgpack.unpackb((VLLM_CAPTURE / "vllm-0.32.0-kv-events.msgpack").read_bytes())
+    description = json.loads((VLLM_CAPTURE / "vllm-0.32.0-kv-events.json").read_text())
+    return frames, description
+
+
+def test_captured_vllm_block_stored_has_the_fields_kvd_sends() -> None:
+    frames, description = _captured()
+    stored = [e for _, _, p in frames for e in _decode(p)[1] if e["type"] == "BlockStored"]
+    assert len(stored) == 2
+    assert [list(e) for e in stored] == [
+        [
+            "type",
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+        ]
+    ] * 2
+    # One entry per block: None without extras; the salt (untagged) on block 0 only.
+    assert stored[0]["extra_keys"] == [None, None]
+    assert stored[1]["extra_keys"] == [["tenant-a"], None]
+    assert description["vllm"] == "0.32.0"
+
+
+@pytest.mark.parametrize("batch", [0, 1, 2])
+def test_payload_is_byte_identical_to_a_captured_vllm_0_32_batch(ctx: Any, batch: int) -> None:
+    """kvd publishing the blocks vLLM stored sends vLLM's payload, byte for byte."""
+    frames, description = _captured()
+    topic, _, payload = frames[batch]
+    ts, (event,), rank = _decode(payload)
+    block_size = description["block_size"]
+    tokens = np.array(description["prompt"][: 2 * block_size], dtype=np.int32)
+    namespace = ["", "tenant-a", None][batch]
+    pub = _publisher(ctx, clock=lambda: ts, data_parallel_rank=rank)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(topic, medium=MEDIUM_GPU, clear=False)  # vLLM's own medium
+    if namespace is None:
+        channel.append(AllBlocksCleared())
+    else:
+        keys = BlockHasher(block_size).keys(tokens, None, namespace=namespace)
+        channel.append(
+            BlockStored(
+                keys, None, tokens, block_size=block_size, namespace=namespace, adapter=None
+            )
+        )
+    pub.flush()
+    got_topic, _, got_payload = _recv(sub)
+    assert got_topic == topic
+    assert _decode(got_payload) == [ts, [event], rank]
+    assert got_payload == payload
+    pub.close()
+
+
+def test_extra_keys_carry_the_adapter_on_every_block_and_the_namespace_on_block_0(
+    ctx: Any,
+) -> None:
+    """vLLM's order (``to_event_extra_keys``): LoRA name, then cache salt (block 0 only)."""
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(clear=False)
+    hasher = BlockHasher(BS)
+    head = hasher.keys(np.arange(32, dtype=np.int32), None, namespace="t1", adapter="sql")
+    tail = hasher.keys(
+        np.arange(32, 48, dtype=np.int32),
+        head[-1],
+        first_block=2,
+        namespace="t1",
+        adapter="sql",
+    )
+
+    def stored(keys: list[bytes], parent: bytes | None, tokens: range) -> BlockStored:
+        array = np.array(tokens, dtype=np.int32)
+        return BlockStored(keys, parent, array, block_size=BS, namespace="t1", adapter="sql")
+
+    # A commit of blocks 0-1, then block 2 of the same chain: one event, as vLLM sends.
+    channel.extend([stored(head, None, range(32)), stored(tail, head[-1], range(32, 48))])
+    # A store that starts mid-chain carries no salt.
+    channel.append(stored(tail, head[-1], range(32, 48)))
+    channel.append(BlockRemoved(tail))
+    channel.append(stored(tail, head[-1], range(32, 48)))
+    pub.flush()
+    events = _decode(_recv(sub)[2])[1]
+    assert events[0]["extra_keys"] == [["sql", "t1"], ["sql"], ["sql"]]
+    assert events[0]["lora_name"] == "sql"
+    assert events[0]["block_hashes"] == [event_id(k) for k in head + tail]
+    assert [e["type"] for e in events] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+        "BlockStored",
+    ]
+    assert events[1]["extra_keys"] == events[3]["extra_keys"] == [["sql"]]
+    assert events[1]["parent_block_hash"] == event_id(head[-1])
+    pub.close()
+
+
+def test_legacy_format_leaves_out_the_fields_added_after_0_23(ctx: Any) -> None:
+    pub = _publisher(ctx, wire_format="vllm-legacy")
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(clear=False)
+    keys = _keys(range(16))
+    channel.extend([_stored(keys, None, range(16), adapter="a"), BlockRemoved(keys)])
+    pub.flush()
+    stored, removed = _decode(_recv(sub)[2])[1]
+    assert stored == [
+        "BlockStored",
+        [event_id(keys[0])],
+        None,
+        list(range(16)),
+        BS,
+        None,
+        "CPU",
+        "a",
+    ]
+    assert removed == ["BlockRemoved", [event_id(keys[0])], "CPU"]
     pub.close()
