@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import Sequence as PySequence
 from types import MethodType, TracebackType
 from typing import (
     TYPE_CHECKING,
@@ -60,6 +61,8 @@ from kvd_client.transport import AsyncTransport, BlockingTransport
 from kvd_client.wire import (
     CheckResult,
     CommitResult,
+    GrantResult,
+    LookupResult,
     Notice,
     PingResult,
     PoolLayout,
@@ -356,6 +359,25 @@ class Batch(_Bound[C]):
         self._own(pin)
         return self._add(pin._state.unpin())
 
+    def lookup(self, keys: PySequence[bytes], hold: bool = False) -> Deferred[LookupResult]:
+        return self._add(self._session.lookup(keys, hold))
+
+    def grant(self, n: int) -> Deferred[GrantResult]:
+        return self._add(self._session.grant(n))
+
+    def publish(
+        self,
+        hold: int,
+        blocks: npt.ArrayLike,
+        keys: PySequence[bytes],
+        tokens: npt.ArrayLike,
+        parent: bytes | None = None,
+    ) -> Deferred[int]:
+        return self._add(self._session.publish(hold, blocks, keys, tokens, parent))
+
+    def release(self, hold: int, blocks: npt.ArrayLike | None = None) -> Deferred[int]:
+        return self._add(self._session.release(hold, blocks))
+
     def _send(self) -> Op[list[Deferred[Any]]]:
         if self._sent:
             raise InvalidRequest("this batch was already sent")
@@ -493,6 +515,52 @@ class ClientBase(_Bound[C]):
         """Would ``allocate`` of ``num_tokens`` (reserving ``reserve``) be admitted now?"""
         s = self._session
         return _attached(s, s.can_allocate(num_tokens, reserve))
+
+    def block_keys(
+        self, tokens: npt.ArrayLike, parent: bytes | None = None, first_block: int = 0
+    ) -> list[bytes]:
+        """kvd's keys of the full blocks of ``tokens`` in this session's namespace
+        and adapter (``parent``: the key before ``tokens[0]``, at block
+        ``first_block``); `SessionLost` before the first hello."""
+        return self._session.block_keys(tokens, parent, first_block)
+
+    @operation
+    def lookup(self, keys: PySequence[bytes], hold: bool = False) -> Op[LookupResult]:
+        """How many leading ``keys`` are cached in this namespace (``cached``).
+
+        ``hold=True`` also holds those blocks (``blocks``, ``hold``) so no
+        eviction takes them until `release`; refused like an allocation
+        (`OutOfBlocks`, `QuotaExceeded`) when they cannot be held.
+        """
+        s = self._session
+        return _attached(s, s.lookup(keys, hold))
+
+    @operation
+    def grant(self, n: int) -> Op[GrantResult]:
+        """Hold ``n`` fresh blocks (``blocks``, ``hold``) to write, then `publish`/`release`."""
+        s = self._session
+        return _attached(s, s.grant(n))
+
+    @operation
+    def publish(
+        self,
+        hold: int,
+        blocks: npt.ArrayLike,
+        keys: PySequence[bytes],
+        tokens: npt.ArrayLike,
+        parent: bytes | None = None,
+    ) -> Op[int]:
+        """Granted ``blocks`` of ``hold`` are written: cache them under ``keys``
+        (``tokens``: their token ids; ``parent``: the key before the first)."""
+        s = self._session
+        return _attached(s, s.publish(hold, blocks, keys, tokens, parent))
+
+    @operation
+    def release(self, hold: int, blocks: npt.ArrayLike | None = None) -> Op[int]:
+        """Let go of ``blocks`` of ``hold`` (all when None), a hold made by any
+        session of this namespace; how many were released (0: it was gone)."""
+        s = self._session
+        return _attached(s, s.release(hold, blocks))
 
     @operation
     def heartbeat(self) -> Op[None]:

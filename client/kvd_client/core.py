@@ -65,10 +65,14 @@ from kvd_client.wire import (
     ForkResult,
     FreeRequest,
     GoodbyeRequest,
+    GrantRequest,
+    GrantResult,
     HeartbeatRequest,
     HelloRequest,
     HelloResult,
     InfoResult,
+    LookupRequest,
+    LookupResult,
     Notice,
     OkReply,
     OpResult,
@@ -79,6 +83,10 @@ from kvd_client.wire import (
     PoolLayout,
     PoolsRequest,
     ProtocolError,
+    PublishRequest,
+    PublishResult,
+    ReleaseRequest,
+    ReleaseResult,
     Request,
     Result,
     StatsRequest,
@@ -88,6 +96,7 @@ from kvd_client.wire import (
     decode_reply,
     encode_batch,
 )
+from kvd_client.wire.hashing import BlockHasher
 
 __all__ = [
     "Admission",
@@ -212,6 +221,10 @@ class ClientSession:
         self._ids = itertools.count(1)
         self._notices: list[Notice] = []
         self._pool: PoolMapping | None = None
+        #: The pool's block hasher (set by each hello): the client computes the
+        #: keys of its prompts' full blocks, so hashing runs in every client
+        #: process in parallel, not in the daemon's one request thread.
+        self.hasher: BlockHasher | None = None
 
     # -- the wire -----------------------------------------------------------
 
@@ -318,6 +331,12 @@ class ClientSession:
         self._pool = None
         self.layout = layout
         self.hash_seed = res.hash_seed
+        if (
+            self.hasher is None
+            or self.hasher.block_size != layout.block_size
+            or self.hasher.seed != res.hash_seed
+        ):
+            self.hasher = BlockHasher(layout.block_size, res.hash_seed)
         self.max_message_bytes = min(res.max_message_bytes, MAX_MESSAGE_BYTES)
         self.info = res
         return res
@@ -347,16 +366,95 @@ class ClientSession:
     ) -> Op[SeqState]:
         """Allocate ``seq_id`` for ``tokens`` (longest cached prefix first)."""
         self.require_session()
+        arr = np.asarray(tokens)
         req = AllocateRequest(
             id=self.next_id(),
             seq=_name(seq_id, "sequence id"),
-            tokens=np.asarray(tokens),
+            tokens=arr,
             reserve=_opt_count(reserve, "reserve"),
+            keys=self._prompt_keys(arr),
         )
         res = _result(AllocateResult, (yield req))
         return SeqState(
             self, seq_id, res.table, length=len(req.tokens), committed=0, cached=res.cached
         )
+
+    def _prompt_keys(self, tokens: npt.NDArray[Any]) -> list[bytes] | None:
+        """The keys of the full blocks of a new sequence's ``tokens``.
+
+        None before the first hello (an operation queued in a batch before the
+        session opened): the daemon then hashes them itself, with the same result.
+        """
+        hasher, info = self.hasher, self.info
+        if hasher is None or info is None or tokens.ndim != 1 or len(tokens) < hasher.block_size:
+            return None
+        try:
+            return hasher.keys(
+                tokens, None, namespace=info.namespace, adapter=self.identity.adapter
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def block_keys(
+        self, tokens: npt.ArrayLike, parent: bytes | None = None, first_block: int = 0
+    ) -> list[bytes]:
+        """The kvd keys of the full blocks of ``tokens`` in this session's
+        namespace and adapter (``parent``: the key before ``tokens[0]``)."""
+        hasher, info = self.hasher, self.info
+        if hasher is None or info is None:
+            raise SessionLost("no session yet: keys depend on the pool's block size and seed")
+        try:
+            return hasher.keys(
+                np.asarray(tokens),
+                parent,
+                first_block=first_block,
+                namespace=info.namespace,
+                adapter=self.identity.adapter,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def lookup(self, keys: Sequence[bytes], hold: bool = False) -> Op[LookupResult]:
+        """How many leading ``keys`` are cached; with ``hold``, their blocks held."""
+        self.require_session()
+        req = LookupRequest(id=self.next_id(), keys=list(keys), hold=True if hold else None)
+        return _result(LookupResult, (yield req))
+
+    def grant(self, n: int) -> Op[GrantResult]:
+        """``n`` fresh blocks held for this process to write, then publish or release."""
+        self.require_session()
+        return _result(GrantResult, (yield GrantRequest(id=self.next_id(), n=_count(n, "n"))))
+
+    def publish(
+        self,
+        hold: int,
+        blocks: npt.ArrayLike,
+        keys: Sequence[bytes],
+        tokens: npt.ArrayLike,
+        parent: bytes | None = None,
+    ) -> Op[int]:
+        """Granted ``blocks`` are written: cache them under ``keys``; how many were."""
+        self.require_session()
+        self.fence()
+        req = PublishRequest(
+            id=self.next_id(),
+            hold=_count(hold, "hold"),
+            blocks=np.asarray(blocks, dtype="<i4"),
+            keys=list(keys),
+            tokens=np.asarray(tokens),
+            parent=parent,
+        )
+        return _result(PublishResult, (yield req)).published
+
+    def release(self, hold: int, blocks: npt.ArrayLike | None = None) -> Op[int]:
+        """Let go of ``blocks`` of ``hold`` (all when None); how many were released."""
+        self.require_session()
+        req = ReleaseRequest(
+            id=self.next_id(),
+            hold=_count(hold, "hold"),
+            blocks=None if blocks is None else np.asarray(blocks, dtype="<i4"),
+        )
+        return _result(ReleaseResult, (yield req)).released
 
     def can_allocate(self, num_tokens: int, reserve: int | None = None) -> Op[Admission]:
         """Would an allocation of ``num_tokens`` (reserving ``reserve``) be admitted now?"""

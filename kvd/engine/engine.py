@@ -658,6 +658,8 @@ class Engine:
             reserved=self._accounts.outstanding,
             sequences=sum(len(s.seqs) for s in self._sessions.values()),
             sessions=len(self._sessions),
+            holds=len(self._holds.holds),
+            held_blocks=sum(len(h.blocks) for h in self._holds.holds.values()),
             prefix_queries=self._queries,
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,

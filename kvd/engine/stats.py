@@ -42,6 +42,9 @@ class EngineStats:
     reserved: int
     sequences: int
     sessions: int
+    #: Holds of the block-level mode, and the blocks they keep (once per hold).
+    holds: int
+    held_blocks: int
     prefix_queries: int
     query_tokens: int
     hit_tokens: int

@@ -45,6 +45,7 @@ from kvd.engine import EngineError, Refusal
 from kvd.errors import RequestError
 from kvd.server.context import Call, Outcome, ServerState, SessionCall
 from kvd.server.handshake import Handshake, PendingHello
+from kvd.server.holds import HoldHandlers
 from kvd.server.info import Info
 from kvd.server.pools import PoolRefusal, Pools
 from kvd.server.security import NamespacePolicy, RateLimiter, RequestLimits
@@ -58,7 +59,14 @@ log = structlog.get_logger("kvd.server")
 #: Kinds refused with SHUTTING_DOWN while draining: they start new work.
 #: Running sequences may still append, commit, truncate, free and unpin.
 DRAIN_REFUSED: Final = frozenset(
-    {wire.Kind.HELLO, wire.Kind.ALLOCATE, wire.Kind.FORK, wire.Kind.PIN, wire.Kind.FLUSH}
+    {
+        wire.Kind.HELLO,
+        wire.Kind.ALLOCATE,
+        wire.Kind.FORK,
+        wire.Kind.PIN,
+        wire.Kind.GRANT,
+        wire.Kind.FLUSH,
+    }
 )
 
 #: Kind names for stats, looked up once (Enum.name is a descriptor call).
@@ -107,9 +115,9 @@ class Dispatcher:
         self.handshake = Handshake(self.state, self.policy, self.limiter, publish)
         self.info = Info(self.state)
         self._pending: list[PendingHello] = []
-        seq = SequenceHandlers(
-            RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
-        )
+        limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
+        seq = SequenceHandlers(limits)
+        holds = HoldHandlers(limits)
         self._session_table: dict[int, _SessionHandler] = {
             wire.Kind.HEARTBEAT: self.handshake.heartbeat,
             wire.Kind.GOODBYE: self.handshake.goodbye,
@@ -122,6 +130,10 @@ class Dispatcher:
             wire.Kind.PIN: seq.pin,
             wire.Kind.UNPIN: seq.unpin,
             wire.Kind.CAN_ALLOCATE: seq.can_allocate,
+            wire.Kind.LOOKUP: holds.lookup,
+            wire.Kind.GRANT: holds.grant,
+            wire.Kind.PUBLISH: holds.publish,
+            wire.Kind.RELEASE: holds.release,
             wire.Kind.BATCH: self._batch,
         }
         self._open_table: dict[int, _OpenHandler] = {

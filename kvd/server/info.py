@@ -137,6 +137,8 @@ class Info:
                     "bytes": pool.memory.size,
                     "bytes_per_block": pool.layout.kv_bytes_per_block,
                     "sequences": engine[pool.name].sequences,
+                    "holds": engine[pool.name].holds,
+                    "held_blocks": engine[pool.name].held_blocks,
                 }
                 for pool in state.pools
             },

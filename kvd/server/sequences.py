@@ -20,14 +20,14 @@ from kvd.engine import Engine, Refusal
 from kvd.server.context import Outcome, SessionCall
 from kvd.server.security import RequestLimits
 
-__all__ = ["SequenceHandlers"]
+__all__ = ["SequenceHandlers", "block_bytes"]
 
 _LITTLE: Final = sys.byteorder == "little"
 #: The result map of kinds that answer nothing (free, unpin).
 _EMPTY: Final[dict[str, Any]] = {}
 
 
-def _blocks(ids: Sequence[int]) -> bytes:
+def block_bytes(ids: Sequence[int]) -> bytes:
     """Block ids as the wire's int32 little-endian bytes (an array module copy:
     a fraction of numpy's cost for the few ids of one request)."""
     arr = array.array("i", ids)
@@ -54,11 +54,11 @@ class SequenceHandlers:
     def allocate(self, req: wire.AllocateRequest, call: SessionCall) -> Outcome:
         engine, sid = call.engine, call.session.id
         self._check_size(req, engine, sid)
-        r = engine.allocate(sid, req.seq, req.tokens, reserve=req.reserve)
+        r = engine.allocate(sid, req.seq, req.tokens, reserve=req.reserve, keys=req.keys)
         if isinstance(r, Refusal):
             return r
         return {
-            "table": _blocks(r.table),
+            "table": block_bytes(r.table),
             "cached": r.num_cached_tokens,
             "reserved": r.reserved_blocks,
         }
@@ -71,14 +71,14 @@ class SequenceHandlers:
         sid = call.session.id
         if self.limits.max_tokens and len(req.tokens) > self.limits.max_tokens:
             self._check_size(req, None, sid)
-        a = call.engine.append(sid, req.seq, req.tokens)
+        a = call.engine.append(sid, req.seq, req.tokens, keys=req.keys)
         if isinstance(a, Refusal):
             return a
         copies = a.copies
         return {
             "start": a.start,
-            "blocks": _blocks(a.blocks) if a.blocks else b"",
-            "copies": _blocks([b for pair in copies for b in pair]) if copies else b"",
+            "blocks": block_bytes(a.blocks) if a.blocks else b"",
+            "copies": block_bytes([b for pair in copies for b in pair]) if copies else b"",
             "length": a.length,
         }
 
@@ -88,7 +88,7 @@ class SequenceHandlers:
         f = engine.fork(sid, req.seq, req.child, reserve=req.reserve)
         if isinstance(f, Refusal):
             return f
-        return {"table": _blocks(f.table)}
+        return {"table": block_bytes(f.table)}
 
     def truncate(self, req: wire.TruncateRequest, call: SessionCall) -> Outcome:
         t = call.engine.truncate(call.session.id, req.seq, req.n)

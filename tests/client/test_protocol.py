@@ -51,6 +51,9 @@ def test_every_request_kind_round_trips() -> None:
         wire.PinRequest(id=1, seq="a"),
         wire.UnpinRequest(id=1, pin=4),
         wire.CanAllocateRequest(id=1, tokens=10),
+        wire.LookupRequest(id=1, keys=[b"k" * 32, b"l" * 32], hold=True),
+        wire.GrantRequest(id=1, n=3),
+        wire.ReleaseRequest(id=1, hold=5),
         wire.StatsRequest(id=1, sections=["server"]),
         wire.CheckRequest(id=1),
         wire.FlushRequest(id=1, namespace="t"),
@@ -63,8 +66,67 @@ def test_every_request_kind_round_trips() -> None:
     assert {type(m).KIND for m in samples} | {
         wire.Kind.ALLOCATE,
         wire.Kind.APPEND,
+        wire.Kind.PUBLISH,
         wire.Kind.BATCH,
     } == set(wire.REQUESTS)
+
+
+def test_keys_travel_as_one_extra_frame_of_concatenated_keys() -> None:
+    keys = [bytes([i]) * 32 for i in range(3)]
+    frames = wire.LookupRequest(id=1, keys=keys).encode()
+    assert frames[2] == b"".join(keys)
+    assert msgpack.unpackb(frames[1]) == {"id": 1, "keys": 0}
+    assert wire.decode_request(frames).keys == keys
+
+
+def test_publish_carries_keys_and_tokens_as_separate_frames() -> None:
+    keys = [b"a" * 32, b"b" * 32]
+    req = wire.PublishRequest(
+        id=1,
+        hold=9,
+        blocks=np.array([3, 4], dtype="<i4"),
+        keys=keys,
+        tokens=np.arange(32, dtype="<i4"),
+        parent=b"p" * 32,
+    )
+    got = wire.decode_request(req.encode())
+    assert isinstance(got, wire.PublishRequest)
+    assert (got.hold, got.blocks.tolist(), got.keys, got.parent) == (9, [3, 4], keys, b"p" * 32)
+    assert got.tokens.tolist() == list(range(32))
+
+
+def test_keys_of_a_partial_key_are_invalid() -> None:
+    assert _code(_frames(wire.Kind.LOOKUP, {"id": 1, "keys": 0}, b"x" * 33)) == wire.Code.INVALID
+
+
+def test_a_keys_field_must_name_an_extra_frame() -> None:
+    assert _code(_frames(wire.Kind.LOOKUP, {"id": 1, "keys": 1}, b"x" * 32)) == wire.Code.INVALID
+    assert _code(_frames(wire.Kind.LOOKUP, {"id": 1, "keys": b"x" * 32})) == wire.Code.INVALID
+
+
+def test_more_keys_than_one_frame_may_hold_are_too_large() -> None:
+    frame = bytes(32 * (wire.MAX_KEYS + 1))
+    assert _code(_frames(wire.Kind.LOOKUP, {"id": 1, "keys": 0}, frame)) == wire.Code.TOO_LARGE
+
+
+def test_batch_keys_take_frames_after_the_shared_token_frame() -> None:
+    keys = [b"k" * 32]
+    ops = [
+        wire.LookupRequest(id=0, keys=keys),
+        wire.AllocateRequest(id=0, seq="a", tokens=np.arange(16, dtype="<i4"), keys=keys),
+    ]
+    frames = wire.encode_batch(7, ops)
+    assert len(frames) == 5  # kind, body, tokens, two keys frames
+    batch = wire.decode_request(frames)
+    extras = wire.TokenFrames(frames[2:])
+    got = [wire.decode_batch_op(op, extras) for op in batch.ops]  # type: ignore[attr-defined]
+    assert got[0].keys == keys and got[1].keys == keys
+    assert got[1].tokens.tolist() == list(range(16))
+
+
+def test_a_batch_of_keys_without_tokens_sends_an_empty_token_frame() -> None:
+    frames = wire.encode_batch(7, [wire.LookupRequest(id=0, keys=[b"k" * 32])])
+    assert frames[2:] == [b"", b"k" * 32]
 
 
 def test_unknown_kind_is_refused_with_the_request_id() -> None:

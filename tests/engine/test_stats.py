@@ -17,6 +17,8 @@ def make(query_tokens: int, hit_tokens: int) -> EngineStats:
         reserved=1,
         sequences=1,
         sessions=1,
+        holds=0,
+        held_blocks=0,
         prefix_queries=1,
         query_tokens=query_tokens,
         hit_tokens=hit_tokens,

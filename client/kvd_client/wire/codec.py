@@ -1,7 +1,7 @@
 """The field schema of every message and the codecs compiled from it.
 
 A message class is a slotted dataclass whose annotations say how each field
-travels (`int`, `bool`, `str`, `dict`, `list`, `Blocks`, or an int32 array
+travels (`int`, `bool`, `str`, `bytes`, `dict`, `list`, `Blocks`, `Keys`, or an int32 array
 for a token frame). From that schema each class gets, on first use, one
 straight-line decoder (type and size checks per field, a `ProtocolError`
 with a stable code on the first bad one) and one encoder: no loop over a
@@ -23,10 +23,13 @@ from kvd_client.wire.codes import INT64_MIN, MAX_NAME_LEN, UINT64_MAX, Code, Pro
 from kvd_client.wire.payloads import (
     INT32_LE,
     Blocks,
+    Keys,
     TokenArray,
     Tokens,
     blocks_to_bytes,
+    decode_keys,
     decode_tokens,
+    keys_frame,
     tokens_from_bytes,
 )
 
@@ -81,6 +84,14 @@ def _check_str(value: Any, name: str) -> str:
     return value
 
 
+def _check_bytes(value: Any, name: str) -> bytes:
+    if type(value) is not bytes:
+        _fail(name, "bytes", value)
+    if len(value) > MAX_NAME_LEN:
+        raise ProtocolError(Code.TOO_LARGE, f"field {name!r}: longer than {MAX_NAME_LEN}")
+    return value
+
+
 def _check_map(value: Any, name: str) -> dict[str, Any]:
     if type(value) is not dict:
         _fail(name, "a map", value)
@@ -108,9 +119,12 @@ _CHECKS: dict[Any, Any] = {
     int: _check_int,
     bool: _check_bool,
     str: _check_str,
+    bytes: _check_bytes,
     dict: _check_map,
     list: _check_list,
     Blocks: _check_blocks,
+    # Decoded from its extra frame, like a token field (the check is the decoder).
+    Keys: decode_keys,
 }
 
 
@@ -142,8 +156,8 @@ def _schema(cls: type[Message]) -> tuple[Field, ...]:
         if base is np.ndarray or ann is Tokens:
             schema.append(Field(f.name, None, optional, True, None))
             continue
-        if ann is Blocks:
-            base = Blocks
+        if ann is Blocks or ann is Keys:
+            base = ann
         default: Any = None
         if f.default is not dataclasses.MISSING:
             default = f.default
@@ -179,6 +193,7 @@ def compile_decoder(cls: type[Message], lenient: bool) -> Any:
         "check_int": _check_int,
         "check_str": _check_str,
         "tokens": decode_tokens,
+        "keys": decode_keys,
         "unknown": _unknown_fields,
         "NAMES": frozenset(f.name for f in schema),
     }
@@ -206,6 +221,8 @@ def compile_decoder(cls: type[Message], lenient: bool) -> Any:
         lines.append("        seen += 1")
         if f.is_tokens:
             lines.append(f"        {v} = tokens({v}, extras, {name!r})")
+        elif f.check is decode_keys:
+            lines.append(f"        {v} = keys({v}, extras, {name!r})")
         elif f.check is _check_int:
             lines.append(f"        if type({v}) is not int or not MIN <= {v} <= MAX:")
             lines.append(f"            check_int({v}, {name!r})")
@@ -231,7 +248,12 @@ def compile_encoder(cls: type[Message]) -> Any:
     taken without the range scan `blocks_to_bytes` does.
     """
     schema = fields(cls)
-    env: dict[str, Any] = {"ndarray": np.ndarray, "I32": INT32_LE, "blocks": blocks_to_bytes}
+    env: dict[str, Any] = {
+        "ndarray": np.ndarray,
+        "I32": INT32_LE,
+        "blocks": blocks_to_bytes,
+        "keys": keys_frame,
+    }
     lines = ["def encode(self, extras, tok):", "    out = {}"]
     for f in schema:
         name = f.name
@@ -244,6 +266,8 @@ def compile_encoder(cls: type[Message]) -> Any:
             lines.append(f"            out[{name!r}] = v.tobytes()")
             lines.append("        else:")
             lines.append(f"            out[{name!r}] = blocks(v)")
+        elif f.check is decode_keys:
+            lines.append(f"        out[{name!r}] = keys(v, extras)")
         else:
             lines.append(f"        out[{name!r}] = v")
     lines.append("    return out")

@@ -5,7 +5,8 @@ peer's routing id in front, which the wire package never sees)::
 
     frame 0   one byte: the message kind (`Kind`)
     frame 1   msgpack body: a map, decoded by the kind's own typed decoder
-    frame 2.. extra binary frames: token ids as little-endian int32 bytes
+    frame 2.. extra binary frames: token ids as little-endian int32 bytes,
+              block keys as concatenated 32-byte keys
 
 Requests carry an ``id`` chosen by the client; every reply repeats it. A
 reply is `Kind.OK` with a ``r`` result map, or `Kind.ERROR` with a stable
@@ -22,6 +23,7 @@ __all__ = [
     "INT64_MIN",
     "MAX_BATCH_OPS",
     "MAX_FRAMES",
+    "MAX_KEYS",
     "MAX_MESSAGE_BYTES",
     "MAX_NAME_LEN",
     "MAX_TOKENS",
@@ -32,17 +34,21 @@ __all__ = [
     "ProtocolError",
 ]
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 #: A message (all frames together) larger than this is refused with TOO_LARGE.
 #: The daemon sets ZMQ_MAXMSGSIZE above it so that zmq never drops silently.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 #: Most tokens in one token frame (16 Mi tokens of int32 = 64 MiB).
 MAX_TOKENS: Final = MAX_MESSAGE_BYTES // 4
+#: Most block keys in one keys frame (4 MiB of 32-byte keys: 2 Mi tokens at
+#: block size 16), so that splitting one frame stays a few milliseconds.
+MAX_KEYS: Final = 128 * 1024
 #: Most operations in one batch.
 MAX_BATCH_OPS: Final = 4096
-#: Most frames in one message (kind + body + extras).
-MAX_FRAMES: Final = MAX_BATCH_OPS + 2
+#: Most frames in one message: kind, body, the batch's shared token frame and
+#: one keys frame per operation.
+MAX_FRAMES: Final = MAX_BATCH_OPS + 3
 #: Longest sequence id, client name, namespace, pool name or adapter name.
 MAX_NAME_LEN: Final = 256
 
@@ -66,6 +72,10 @@ class Kind(enum.IntEnum):
     PIN = 0x16
     UNPIN = 0x17
     CAN_ALLOCATE = 0x18
+    LOOKUP = 0x19
+    GRANT = 0x1A
+    PUBLISH = 0x1B
+    RELEASE = 0x1C
     BATCH = 0x1F
     STATS = 0x20
     CHECK = 0x21

@@ -172,11 +172,12 @@ def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
     """Frames of a batch request carrying ``ops`` (each batchable).
 
     Every token field of the batch slices one shared extra frame
-    (``[0, start, stop]``): one frame per batch, not one per operation.
+    (``[0, start, stop]``): one frame per batch, not one per operation. Keys
+    fields take frames 1.. (frame 0 is then sent even when empty).
     """
     if len(ops) > MAX_BATCH_OPS:
         raise ValueError(f"a batch holds at most {MAX_BATCH_OPS} operations")
-    extras: list[bytes] = []
+    extras: list[bytes] = [b""]
     shared = SharedTokens(0)
     add = shared.add
     entries = []
@@ -190,8 +191,10 @@ def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
         entries.append([int(cls.KIND), enc(op, extras, add)])
     body = pack({"id": req_id, "ops": entries})
     if shared.arrays:
-        return [_KIND_BATCH, body, shared.frame_bytes()]
-    return [_KIND_BATCH, body]
+        extras[0] = shared.frame_bytes()
+    elif len(extras) == 1:
+        return [_KIND_BATCH, body]
+    return [_KIND_BATCH, body, *extras]
 
 
 def decode_reply(frames: Sequence[bytes | memoryview]) -> OkReply | ErrorReply | Notice:

@@ -175,16 +175,18 @@ def _token_array(
 class BlockHasher:
     """Hashes full blocks of one pool (fixed ``block_size``) for one seed."""
 
-    __slots__ = ("_array_head", "block_size", "root")
+    __slots__ = ("_array_head", "block_size", "root", "seed")
 
     root: bytes
     block_size: int
+    seed: str
     _array_head: bytes
 
     def __init__(self, block_size: int, seed: str = DEFAULT_HASH_SEED) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
+        self.seed = seed
         self.root = root_digest(seed)
         self._array_head = _cbor_head(_ARRAY, block_size)
 

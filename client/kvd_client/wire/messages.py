@@ -27,7 +27,7 @@ from kvd_client.wire.codec import (
     fields,
 )
 from kvd_client.wire.codes import Kind
-from kvd_client.wire.payloads import Blocks, pack, token_frame
+from kvd_client.wire.payloads import Blocks, Keys, pack, token_frame
 
 __all__ = [
     "REQUESTS",
@@ -52,11 +52,15 @@ __all__ = [
     "ForkResult",
     "FreeRequest",
     "GoodbyeRequest",
+    "GrantRequest",
+    "GrantResult",
     "HeartbeatRequest",
     "HelloRequest",
     "HelloResult",
     "Info",
     "InfoResult",
+    "LookupRequest",
+    "LookupResult",
     "Message",
     "OpResult",
     "PinRequest",
@@ -64,6 +68,10 @@ __all__ = [
     "PingRequest",
     "PingResult",
     "PoolsRequest",
+    "PublishRequest",
+    "PublishResult",
+    "ReleaseRequest",
+    "ReleaseResult",
     "Request",
     "Result",
     "StatsRequest",
@@ -200,12 +208,18 @@ class GoodbyeRequest(Request):
 
 @_req(Kind.ALLOCATE, batchable=True)
 class AllocateRequest(Request):
-    """Match the longest cached prefix, allocate the rest, reserve room to ``reserve`` tokens."""
+    """Match the longest cached prefix, allocate the rest, reserve room to ``reserve`` tokens.
+
+    ``keys``: the client's keys of every full block of ``tokens`` (exactly
+    ``len(tokens) // block_size``, computed with the hello's hash seed, the
+    namespace and adapter); the daemon hashes when they are omitted.
+    """
 
     id: int
     seq: str
     tokens: npt.NDArray[np.int32]
     reserve: int | None = None
+    keys: Keys | None = None
 
 
 @_req(Kind.COMMIT, batchable=True)
@@ -219,11 +233,16 @@ class CommitRequest(Request):
 
 @_req(Kind.APPEND, batchable=True)
 class AppendRequest(Request):
-    """Grow the sequence by ``tokens``; may answer copy-on-write copies."""
+    """Grow the sequence by ``tokens``; may answer copy-on-write copies.
+
+    ``keys``: the client's keys of the blocks this append fills (the daemon
+    hashes them at commit when omitted).
+    """
 
     id: int
     seq: str
     tokens: npt.NDArray[np.int32]
+    keys: Keys | None = None
 
 
 @_req(Kind.FORK, batchable=True)
@@ -277,6 +296,54 @@ class CanAllocateRequest(Request):
     id: int
     tokens: int
     reserve: int | None = None
+
+
+@_req(Kind.LOOKUP, batchable=True)
+class LookupRequest(Request):
+    """How many leading ``keys`` are cached in the session's namespace.
+
+    With ``hold``, those blocks are held (by a new hold, refused like an
+    allocation when they cannot be) until released, so no eviction takes
+    them before they are read.
+    """
+
+    id: int
+    keys: Keys
+    hold: bool | None = None
+
+
+@_req(Kind.GRANT, batchable=True)
+class GrantRequest(Request):
+    """Hold ``n`` fresh blocks for the session to write, then publish or release."""
+
+    id: int
+    n: int
+
+
+@_req(Kind.PUBLISH, batchable=True)
+class PublishRequest(Request):
+    """Granted ``blocks`` of ``hold`` are written: cache them under ``keys``.
+
+    One key per block, in chain order; ``parent`` is the key before the
+    first (for KV events); ``tokens`` are the blocks' token ids.
+    """
+
+    id: int
+    hold: int
+    blocks: Blocks
+    keys: Keys
+    tokens: npt.NDArray[np.int32]
+    parent: bytes | None = None
+
+
+@_req(Kind.RELEASE, batchable=True)
+class ReleaseRequest(Request):
+    """Let go of ``blocks`` of ``hold`` (all when omitted); any session of the
+    hold's namespace may; a hold that is gone releases nothing."""
+
+    id: int
+    hold: int
+    blocks: Blocks | None = None
 
 
 @_req(Kind.BATCH)
@@ -431,6 +498,37 @@ class CanAllocateResult(Result):
 
 
 @_res
+class LookupResult(Result):
+    """``cached`` leading blocks; with a hold, their ids and the hold (0: nothing held)."""
+
+    cached: int
+    blocks: Blocks
+    hold: int
+
+
+@_res
+class GrantResult(Result):
+    """The hold and its fresh block ids."""
+
+    hold: int
+    blocks: Blocks
+
+
+@_res
+class PublishResult(Result):
+    """How many blocks became cached (a key cached already leaves its block private)."""
+
+    published: int
+
+
+@_res
+class ReleaseResult(Result):
+    """How many blocks were let go."""
+
+    released: int
+
+
+@_res
 class FlushResult(Result):
     """How many cached blocks were dropped."""
 
@@ -494,6 +592,10 @@ RESULTS: dict[int, type[Result]] = {
     Kind.PIN: PinResult,
     Kind.UNPIN: Empty,
     Kind.CAN_ALLOCATE: CanAllocateResult,
+    Kind.LOOKUP: LookupResult,
+    Kind.GRANT: GrantResult,
+    Kind.PUBLISH: PublishResult,
+    Kind.RELEASE: ReleaseResult,
     Kind.BATCH: BatchResult,
     Kind.STATS: InfoResult,
     Kind.CHECK: CheckResult,

@@ -16,18 +16,24 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from kvd_client.wire.codes import MAX_TOKENS, Code, ProtocolError
+from kvd_client.wire.codes import MAX_KEYS, MAX_TOKENS, Code, ProtocolError
+from kvd_client.wire.hashing import KEY_SIZE
 
 __all__ = [
     "INT32_LE",
     "Blocks",
+    "Keys",
     "SharedTokens",
     "TokenArray",
     "TokenFrames",
     "Tokens",
     "blocks_from_bytes",
     "blocks_to_bytes",
+    "decode_keys",
     "decode_tokens",
+    "keys_frame",
+    "keys_from_bytes",
+    "keys_to_bytes",
     "pack",
     "token_frame",
     "tokens_from_bytes",
@@ -135,6 +141,52 @@ else:
 
     class Blocks:
         """Annotation marker: an int32 array carried as msgpack ``bin`` in the body."""
+
+
+if TYPE_CHECKING:
+    #: To type checkers a Keys field is the list of block keys it holds.
+    Keys = list[bytes]
+else:
+
+    class Keys:
+        """Annotation marker: block keys carried as an extra frame of concatenated keys.
+
+        In the body the field holds the index of its frame among the extras.
+        """
+
+
+def keys_to_bytes(keys: Sequence[bytes]) -> bytes:
+    """Block keys as one frame: each ``KEY_SIZE`` bytes, in chain order."""
+    for key in keys:
+        if type(key) is not bytes or len(key) != KEY_SIZE:
+            raise ValueError(f"block keys must be {KEY_SIZE}-byte bytes")
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"at most {MAX_KEYS} keys in one field")
+    return b"".join(keys)
+
+
+def keys_from_bytes(buf: bytes | memoryview) -> list[bytes]:
+    """Decode a keys frame; ProtocolError on a length not a multiple of ``KEY_SIZE``."""
+    if len(buf) % KEY_SIZE:
+        raise ProtocolError(Code.INVALID, f"keys of {len(buf)} bytes are not {KEY_SIZE}-byte keys")
+    if len(buf) // KEY_SIZE > MAX_KEYS:
+        raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_KEYS} keys in one field")
+    if type(buf) is not bytes:
+        buf = bytes(buf)
+    return [buf[i : i + KEY_SIZE] for i in range(0, len(buf), KEY_SIZE)]
+
+
+def decode_keys(value: Any, extras: Sequence[bytes], name: str) -> list[bytes]:
+    """A keys field: the index of its extra frame."""
+    if type(value) is not int or not 0 <= value < len(extras):
+        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
+    return keys_from_bytes(extras[value])
+
+
+def keys_frame(value: Sequence[bytes], extras: list[bytes]) -> int:
+    """Append a keys field's frame to ``extras``; the field's body value (its index)."""
+    extras.append(keys_to_bytes(value))
+    return len(extras) - 1
 
 
 TokenArray = npt.NDArray[np.int32]
