@@ -235,9 +235,6 @@ def nested_empty_arrays(nbytes: int) -> bytes:
     return b"\xdc" + n.to_bytes(2, "big") + inner * n
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue #14 finding 3: no total decode budget per message yet"
-)
 @pytest.mark.parametrize("megabytes", [8, 32])
 def test_a_msgpack_bomb_is_refused_within_the_decode_budget(
     kvd_daemon: Any, megabytes: int

@@ -2,8 +2,9 @@
 
 - Bombs (finding 3) through `wire.decode_request`: a request or a ProtocolError,
   and the decoder's peak allocation (tracemalloc) within `DECODE_BUDGET`
-  whatever the body. Fails on main: the msgpack limits are per container, so
-  a 1 MiB body of empty arrays decodes into ~64 MiB of lists.
+  whatever the body. Failed before the total budget per body
+  (`wire.frames.MAX_DECODED_OBJECTS`): with limits per container only, a
+  1 MiB body of empty arrays decoded into ~64 MiB of lists.
 - Bombs and multi-frame messages through the dispatcher (`harness.Target`):
   answered with a known code other than INTERNAL, state unchanged when
   refused, the victim untouched.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import os
 import tracemalloc
 
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvd_client import wire
@@ -47,9 +47,6 @@ def _settings(examples: int) -> settings:
     )
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue #14 finding 3: no total decode budget per message yet"
-)
 @_settings(40)
 @given(frames=bomb_messages())
 def test_a_msgpack_bomb_decodes_within_the_budget_or_is_refused(frames: list[bytes]) -> None:

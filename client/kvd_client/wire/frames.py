@@ -8,7 +8,7 @@ encode with `Request.encode`/`encode_batch` and decode with `decode_reply`.
 from __future__ import annotations
 
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -94,7 +94,50 @@ def encode_notice(event: str, data: dict[str, Any]) -> list[bytes]:
     return [bytes((Kind.NOTICE,)), pack(body)]
 
 
+#: Most objects one body may decode into: each container counts itself and its
+#: elements. Per-container limits alone let a 32 MB body of nested empty arrays
+#: become 2.4 GiB of lists (issue #14); a batch of MAX_BATCH_OPS operations needs
+#: ~16 per operation. Worst case ~60 B per object: ~16 MiB.
+MAX_DECODED_OBJECTS: Final = 1 << 18
+#: Up to this many body bytes the budget cannot be reached (an object takes a
+#: byte at least, counted at most twice), so no hook is paid for.
+_UNCOUNTED_BYTES: Final = MAX_DECODED_OBJECTS // 2
+
+
+class _OverBudget(Exception):
+    """Raised inside the unpacker once a body's objects exceed `MAX_DECODED_OBJECTS`."""
+
+
+def _budget_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """``list_hook`` and ``object_hook`` counting one body's objects (fresh per body)."""
+    left = MAX_DECODED_OBJECTS
+
+    def count_list(obj: list[Any]) -> list[Any]:
+        nonlocal left
+        left -= 1 + len(obj)
+        if left < 0:
+            raise _OverBudget
+        return obj
+
+    def count_map(obj: dict[Any, Any]) -> dict[Any, Any]:
+        nonlocal left
+        left -= 1 + 2 * len(obj)
+        if left < 0:
+            raise _OverBudget
+        return obj
+
+    return count_list, count_map
+
+
 def _unpack(body: bytes | memoryview) -> Any:
+    """One msgpack body, within the per-container limits and `MAX_DECODED_OBJECTS` in all.
+
+    Past the budget the unpacker stops at once (TOO_LARGE), having built at
+    most the budget's objects plus one container's elements.
+    """
+    list_hook = object_hook = None
+    if len(body) > _UNCOUNTED_BYTES:
+        list_hook, object_hook = _budget_hooks()
     try:
         return msgpack.unpackb(
             body,
@@ -106,7 +149,13 @@ def _unpack(body: bytes | memoryview) -> Any:
             max_array_len=MAX_BATCH_OPS * 4,
             max_map_len=4096,
             max_ext_len=0,
+            list_hook=list_hook,
+            object_hook=object_hook,
         )
+    except _OverBudget:
+        raise ProtocolError(
+            Code.TOO_LARGE, f"body decodes into more than {MAX_DECODED_OBJECTS} objects"
+        ) from None
     except (
         ValueError,
         TypeError,
