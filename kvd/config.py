@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from kvd_client.wire import DTYPE_SIZES, PoolLayout
+from kvd_client.wire import DTYPE_SIZES, MAX_FORMAT_LEN, PoolLayout
 from kvd_client.wire.hashing import DEFAULT_HASH_SEED
 
 from kvd.engine import EVICTION_POLICIES
@@ -135,6 +135,16 @@ class ServerConfig:
     sndhwm: int = 10000
     #: Most sessions at once; a hello beyond it gets BUSY. 0 = unlimited.
     max_sessions: int = 1024
+    #: A connection that sent no hello this long after it was accepted is shut
+    #: down (it holds a descriptor); 0 = never.
+    hello_timeout_ms: int = 10000
+    #: Growth of the daemon's anonymous memory past which the connections that sent
+    #: no complete message while it grew are shut down (an unfinished multipart
+    #: message, which libzmq buffers without bound); 0 = off.
+    memory_guard_bytes: int = 128 << 20
+    #: Reply bytes libzmq may hold for one peer that does not read them; past it the
+    #: peer's replies are dropped and its session closed. 0 = no limit.
+    max_queued_reply_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if self.address:
@@ -154,6 +164,13 @@ class ServerConfig:
         _require(self.rcvhwm >= 0, "rcvhwm", "must be >= 0 (0 = no limit)")
         _require(self.sndhwm >= 0, "sndhwm", "must be >= 0 (0 = no limit)")
         _require(self.max_sessions >= 0, "max_sessions", "must be >= 0 (0 = unlimited)")
+        _require(self.hello_timeout_ms >= 0, "hello_timeout_ms", "must be >= 0 (0 = never)")
+        _require(self.memory_guard_bytes >= 0, "memory_guard_bytes", "must be >= 0 (0 = off)")
+        _require(
+            self.max_queued_reply_bytes >= 0,
+            "max_queued_reply_bytes",
+            "must be >= 0 (0 = no limit)",
+        )
         tcp = self.tcp_address or self.address.startswith("tcp://")
         _require(
             not tcp or bool(self.curve_secret_key_file and self.curve_clients_dir),
@@ -267,6 +284,7 @@ _LAYOUT_KEYS: Final = (
     "block_size",
     "num_blocks",
     "order",
+    "format",
 )
 
 
@@ -282,7 +300,9 @@ class PoolConfig:
     dtype: str = "float16"
     block_size: int = 16
     num_blocks: int = 4096
-    order: Literal["layer_major", "block_major"] = "layer_major"
+    order: Literal["layer_major", "block_major", "paged"] = "layer_major"
+    #: A ``paged`` pool's engine fingerprint (its pages' packing); empty otherwise.
+    format: str = ""
     #: Touch every page at start so the first client write is not the slow one.
     prefault: bool = True
     #: Ask for transparent huge pages (MADV_HUGEPAGE) on the daemon's mapping.
@@ -295,9 +315,20 @@ class PoolConfig:
         _require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}")
         _require(self.dtype in DTYPE_SIZES, "dtype", f"must be one of {sorted(DTYPE_SIZES)}")
         _require(
-            self.order in ("layer_major", "block_major"),
+            self.order in ("layer_major", "block_major", "paged"),
             "order",
-            "must be layer_major or block_major",
+            "must be layer_major, block_major or paged",
+        )
+        _require(
+            (self.order == "paged") == bool(self.format) and len(self.format) <= MAX_FORMAT_LEN,
+            "format",
+            f"a paged pool needs its engine's format (at most {MAX_FORMAT_LEN} characters), "
+            "and only a paged pool has one",
+        )
+        # Engine pages are mapped by CPU engines only (vLLM's CPU KV layout);
+        # a device pool's pages would need the engine's device layout (issue #19).
+        _require(
+            self.order != "paged" or self.backend == "shm", "backend", "a paged pool must be shm"
         )
         for key in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             _require(getattr(self, key) > 0, key, "must be > 0")

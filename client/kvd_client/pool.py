@@ -24,6 +24,11 @@ dtypes without a numpy equivalent are exposed raw in the numpy views:
 ``bfloat16`` as ``uint16`` and the ``float8`` types as ``uint8`` (same bits;
 the torch views carry the real dtype).
 
+A ``paged`` pool (`PoolLayout` order ``"paged"``: an engine's own KV pages,
+e.g. vLLM's CPU blocks) maps as `ShmPages`: `PoolMapping.pages` gives each
+layer's pages, every kvd-layout view and copy above raises `LayoutMismatch`
+(its bytes are never handed out as kvd-layout KV).
+
 A mapping is never unmapped explicitly: views may outlive any client, so the
 memory is released when the last view and mapping object are collected.
 """
@@ -56,6 +61,7 @@ __all__ = [
     "RAW_DTYPES",
     "BlockIds",
     "PoolMapping",
+    "ShmPages",
     "ShmPool",
     "open_pool",
     "register_backend",
@@ -157,6 +163,18 @@ class PoolMapping(abc.ABC):
         if self._torch_layers is None:
             self._torch_layers = [self.layer(i) for i in range(self.layout.num_layers)]
         return self._torch_layers
+
+    def pages(self, layer: int) -> torch.Tensor:
+        """A ``paged`` pool's layer ``layer``: ``[num_blocks, page_elems]`` of the pool's dtype.
+
+        Row ``b`` is block ``b``'s page (``layout.page_bytes``, contiguous), its
+        inner packing the engine's (``layout.format``). Zero-copy. Raises
+        `LayoutMismatch` for kvd's own orders (use `layer`), IndexError for a
+        layer outside the pool.
+        """
+        raise LayoutMismatch(
+            f"a {self.layout.order} pool has kvd's K/V layout, not engine pages: use layer()"
+        )
 
     @abc.abstractmethod
     def block(self, b: int) -> torch.Tensor:
@@ -385,6 +403,8 @@ class ShmPool(PoolMapping):
     def open(cls, memory: dict[str, Any], layout: PoolLayout) -> PoolMapping:
         """Map the handle ``{"backend": "shm", "path", "size", "offset"}`` (shared per process).
 
+        A ``paged`` layout maps as `ShmPages`, any other as `ShmPool`.
+
         The per-process key includes the file's inode: a daemon that
         re-creates its file at the same path gets a fresh mapping, never the
         stale one.
@@ -417,7 +437,8 @@ class ShmPool(PoolMapping):
                     prot=mmap.PROT_READ | mmap.PROT_WRITE,
                     offset=offset - base,
                 )
-                return cls(layout, memory, mapping, base)
+                kind = ShmPages if layout.order == "paged" else ShmPool
+                return kind(layout, memory, mapping, base)
 
             return _shared(key, make)
         finally:
@@ -562,6 +583,96 @@ class ShmPool(PoolMapping):
 
     def fence(self) -> None:
         """Nothing to wait for: CPU writes through the mapping are done when they return."""
+
+
+class ShmPages(PoolMapping):
+    """A ``paged`` pool in shared memory: per layer ``num_blocks`` opaque engine pages.
+
+    Mapped by `ShmPool.open` for a ``paged`` layout. `pages` / `np_pages` view
+    them; `copy_blocks` copies whole pages. Every view and copy in kvd's K/V
+    layout raises `LayoutMismatch`: the pages' packing is the engine's
+    (``layout.format``), so no kvd-layout reader may be handed them.
+    """
+
+    BACKEND = "shm"
+
+    def __init__(
+        self, layout: PoolLayout, memory: dict[str, Any], mapping: mmap.mmap, base: int
+    ) -> None:
+        super().__init__(layout, memory)
+        self._mmap = mapping
+        self._base = base
+        item = layout.itemsize
+        #: Every page: ``[num_layers, num_blocks, page_elems]`` (layer regions page-aligned).
+        self._pages: npt.NDArray[Any] = np.ndarray(
+            (layout.num_layers, layout.num_blocks, layout.page_bytes // item),
+            dtype=np.dtype(NUMPY_DTYPES[layout.dtype]),
+            buffer=mapping,
+            offset=base,
+            strides=(layout.layer_stride, layout.page_bytes, item),
+        )
+
+    def buffer(self) -> memoryview:
+        """The pool's bytes (``layout.total_bytes`` from the pool's first byte)."""
+        return memoryview(self._mmap)[self._base : self._base + self.layout.total_bytes]
+
+    def np_pages(self, layer: int) -> npt.NDArray[Any]:
+        """Layer ``layer``'s pages as a numpy view ``[num_blocks, page_elems]``."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} outside the pool's 0..{self.layout.num_layers - 1}")
+        page: npt.NDArray[Any] = self._pages[layer]
+        return page
+
+    def pages(self, layer: int) -> torch.Tensor:
+        return _torch_of(self.np_pages(layer), self.layout.dtype)
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy page ``src[i]`` to ``dst[i]`` in every layer (copy-on-write of whole pages)."""
+        if len(src) != len(dst):
+            raise InternalError(f"{len(src)} copy sources for {len(dst)} destinations")
+        if not src:
+            return
+        self._check_blocks(src, dst)
+        self._pages[:, np.asarray(dst)] = self._pages[:, np.asarray(src)]
+
+    def fence(self) -> None:
+        """Nothing to wait for: CPU writes through the mapping are done when they return."""
+
+    def _opaque(self) -> LayoutMismatch:
+        return LayoutMismatch(
+            f"pool pages are {self.layout.format!r}, opaque to kvd: no view or copy in "
+            "kvd's K/V layout exists for them (pages() gives the engine's pages)"
+        )
+
+    def layer(self, i: int) -> torch.Tensor:
+        raise self._opaque()
+
+    def layers(self) -> list[torch.Tensor]:
+        raise self._opaque()
+
+    def block(self, b: int) -> torch.Tensor:
+        raise self._opaque()
+
+    def blocks(self, first: int, count: int) -> torch.Tensor:
+        raise self._opaque()
+
+    def write_block(self, block_id: int, src: KV) -> None:
+        raise self._opaque()
+
+    def write_blocks(self, block_ids: BlockIds, src: KV) -> None:
+        raise self._opaque()
+
+    def write_layer(self, layer: int, block_ids: BlockIds, src: KV) -> None:
+        raise self._opaque()
+
+    def read_block(self, block_id: int, out: KV) -> None:
+        raise self._opaque()
+
+    def read_blocks(self, block_ids: BlockIds, out: KV) -> None:
+        raise self._opaque()
+
+    def read_layer(self, layer: int, block_ids: BlockIds, out: KV) -> None:
+        raise self._opaque()
 
 
 def _torch_of(arr: npt.NDArray[Any], dtype: str) -> torch.Tensor:

@@ -51,8 +51,10 @@ from kvd_client.wire.frames import (
 )
 from kvd_client.wire.layout import (
     DTYPE_SIZES,
+    MAX_FORMAT_LEN,
     PAGE,
     POOL_ALIGN,
+    OpaqueLayout,
     Order,
     PoolLayout,
     round_up,
@@ -122,6 +124,7 @@ __all__ = [
     "ADDRESS_ENV",
     "DTYPE_SIZES",
     "MAX_BATCH_OPS",
+    "MAX_FORMAT_LEN",
     "MAX_FRAMES",
     "MAX_KEYS",
     "MAX_MESSAGE_BYTES",
@@ -169,6 +172,7 @@ __all__ = [
     "Notice",
     "OkReply",
     "OpResult",
+    "OpaqueLayout",
     "Order",
     "PinRequest",
     "PinResult",
