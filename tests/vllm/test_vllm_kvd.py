@@ -1,0 +1,108 @@
+"""KvdConnector with real vLLM processes: a prefix computed by one process is loaded by another.
+
+Process A computes a prompt with a 4,096-token prefix and saves its full
+blocks into kvd; process B, a separate ``LLM`` with its own (empty) KV cache,
+loads the prefix from kvd and computes only the tail. B's greedy output
+equals A's and a cold run's (no connector), token for token. Every hold is
+gone afterwards (kvd's stats), and a client expecting kvd's own layout is
+refused the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_events", reason="needs vLLM: run `make test-vllm` (its own venv)"
+)
+
+from kvd_client import Client
+from kvd_client.errors import LayoutMismatch
+from kvd_client.integrations.vllm_plan import paged_layout, pool_name
+
+from tests.vllm.support import LlamaSpec, prompt_tokens, start_vllm, tiny_llama
+
+PREFIX = 4096
+BLOCK_SIZE = 32
+MAX_LEN = 8192
+#: The tiny Llama, long enough for the prefix and its tail.
+SPEC = LlamaSpec(max_position_embeddings=MAX_LEN)
+#: The pool the connector creates for SPEC (2 layers, 2 KV heads of 64, fp32).
+LAYOUT = paged_layout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=64,
+    dtype="float32",
+    block_size=BLOCK_SIZE,
+    engine="vllm/0.32.0/cpu/LBHNC",
+    num_blocks=1024,
+)
+POOL = pool_name(LAYOUT)
+
+
+def kvd_connector(address: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd_client.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvd_address": address, "kvd_num_blocks": 1024, **extra},
+    }
+
+
+def _pool_stats(address: str) -> dict[str, Any]:
+    """``pools.<POOL>`` of kvd's stats, with its ``blocks`` section beside."""
+    with Client.connect(address, pool=None) as kv:
+        stats = kv.stats()
+    return {**stats["pools"][POOL], "blocks": stats["blocks"][POOL]}
+
+
+def _wait_no_holds(address: str, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _pool_stats(address)
+        if stats["holds"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def _run(model: Any, prompts: list[list[int]], **kwargs: Any) -> Any:
+    return start_vllm(
+        model, prompts, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, max_tokens=16, **kwargs
+    )
+
+
+@pytest.mark.timeout(900)
+def test_a_second_process_loads_the_prefix_from_kvd(kvd_daemon: Any) -> None:
+    model = tiny_llama(SPEC)
+    prompt = prompt_tokens(PREFIX) + prompt_tokens(9, salt=1)
+    config = kvd_connector(kvd_daemon.address)
+    a = _run(model, [prompt], kv_transfer_config=config)
+    cold = _run(model, [prompt])
+    a_out, cold_out = a.result(), cold.result()
+    after_a = _pool_stats(kvd_daemon.address)
+    b_out = _run(model, [prompt], kv_transfer_config=config).result()
+    after_b = _wait_no_holds(kvd_daemon.address)
+
+    (ra,), (rb,), (rc,) = a_out["requests"], b_out["requests"], cold_out["requests"]
+    assert rb["output_token_ids"] == ra["output_token_ids"] == rc["output_token_ids"]
+    assert len(rb["output_token_ids"]) == 16
+    # The prefix came from kvd (B's own cache was empty): the connector's hit.
+    assert rb["num_cached_tokens"] == PREFIX, rb
+    assert ra["num_cached_tokens"] == rc["num_cached_tokens"] == 0
+    assert f"loads {PREFIX} tokens from kvd" in b_out["stderr"]
+    # A saved every full block of the prompt (4,105 tokens: 128 blocks) and of its output.
+    assert after_a["blocks"]["evictable"] >= (PREFIX + 9) // BLOCK_SIZE, after_a
+    assert after_b["holds"] == 0 and after_b["held_blocks"] == 0, after_b
+    print(
+        f"\nTTFT A {ra['ttft_s']:.3f} s, cold {rc['ttft_s']:.3f} s, B {rb['ttft_s']:.3f} s; "
+        f"pool after B: {after_b}"
+    )
+
+    # A client expecting kvd's own layout is refused this pool of vLLM pages.
+    kvd_own = dataclasses.replace(LAYOUT, order="layer_major", format="")
+    with pytest.raises(LayoutMismatch, match="layout differs"):
+        Client.connect(kvd_daemon.address, pool=POOL, layout=kvd_own)
