@@ -44,12 +44,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     if spec.get("kv_events_config"):
         kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
+    kwargs.update(spec.get("llm_kwargs") or {})
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
     params = SamplingParams(
         temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False
     )
+    if spec.get("together"):
+        return {"startup_s": startup_s, "requests": together(llm, spec, params)}
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
     requests = []
     for prompt, salt in zip(spec["prompts"], salts, strict=True):
@@ -78,6 +81,39 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
     time.sleep(spec.get("linger_s", 0.0))
     return {"startup_s": startup_s, "requests": requests}
+
+
+def together(llm: Any, spec: dict[str, Any], params: Any) -> list[dict[str, Any]]:
+    """Every prompt at once through the engine's step loop (batched: preemption is possible).
+
+    ``abort``: request ids (``"r<i>"``) aborted after ``abort_after_steps`` steps.
+    Aborted requests report ``"aborted": true`` and their tokens so far.
+    """
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for i, prompt in enumerate(spec["prompts"]):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=list(prompt)), params)
+    abort, after = spec.get("abort") or [], spec.get("abort_after_steps", 0)
+    outputs: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        steps += 1
+        if abort and steps == after:
+            engine.abort_request(abort)
+    return [
+        {
+            "request_id": f"r{i}",
+            "output_token_ids": list(outputs[f"r{i}"].outputs[0].token_ids)
+            if f"r{i}" in outputs
+            else [],
+            "num_cached_tokens": getattr(outputs.get(f"r{i}"), "num_cached_tokens", None),
+            "aborted": f"r{i}" in abort,
+        }
+        for i in range(len(spec["prompts"]))
+    ]
 
 
 def main() -> None:

@@ -119,6 +119,8 @@ class VllmRun:
             text=True,
             env=env,
             cwd=ROOT,
+            # Its own process group: a test can kill vLLM and its engine core at once.
+            start_new_session=True,
         )
 
     def result(self) -> dict[str, Any]:
@@ -160,7 +162,9 @@ def start_vllm(
     backend's rule). ``kv_transfer_config`` and ``kv_events_config`` are the
     keyword arguments of vLLM's ``KVTransferConfig`` and ``KVEventsConfig``.
     ``extra`` goes into the runner's spec (``cache_salts``, ``dtype``,
-    ``reset_prefix_cache``, ``linger_s``, ``enable_prefix_caching``, ``max_model_len``).
+    ``reset_prefix_cache``, ``linger_s``, ``enable_prefix_caching``, ``max_model_len``,
+    ``llm_kwargs`` (more ``LLM`` arguments), ``together`` (every prompt at once through
+    the engine's step loop, with ``abort`` ids aborted after ``abort_after_steps``)).
     """
     if block_size % 32:
         raise ValueError(

@@ -11,6 +11,8 @@ refused the pool.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from typing import Any
 
@@ -24,7 +26,7 @@ from kvd_client import Client
 from kvd_client.errors import LayoutMismatch
 from kvd_client.integrations.vllm_plan import paged_layout, pool_name
 
-from tests.vllm.support import LlamaSpec, prompt_tokens, start_vllm, tiny_llama
+from tests.vllm.support import LlamaSpec, VllmFailed, prompt_tokens, start_vllm, tiny_llama
 
 PREFIX = 4096
 BLOCK_SIZE = 32
@@ -106,3 +108,55 @@ def test_a_second_process_loads_the_prefix_from_kvd(kvd_daemon: Any) -> None:
     kvd_own = dataclasses.replace(LAYOUT, order="layer_major", format="")
     with pytest.raises(LayoutMismatch, match="layout differs"):
         Client.connect(kvd_daemon.address, pool=POOL, layout=kvd_own)
+
+
+@pytest.mark.timeout(900)
+def test_abort_preemption_and_sigkill_leave_no_hold(kvd_daemon: Any) -> None:
+    """Waiting requests hold their kvd prefix; abort, preemption and SIGKILL release it all."""
+    model = tiny_llama(SPEC)
+    prompts = [prompt_tokens(1024, salt=10 + i) + prompt_tokens(9, salt=1) for i in range(4)]
+    config = kvd_connector(kvd_daemon.address)
+    # A: each prefix into kvd.
+    _run(model, prompts, kv_transfer_config=config).result()
+    # C: 68 vLLM blocks for four requests of 33 blocks that grow: two run, two wait
+    # (holding their kvd prefix), the running ones preempt each other; r3 is aborted.
+    small = {"num_gpu_blocks_override": 68, "max_num_seqs": 4}
+    c = start_vllm(
+        model,
+        prompts,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        max_tokens=96,
+        kv_transfer_config=config,
+        llm_kwargs=small,
+        together=True,
+        abort=["r3"],
+        abort_after_steps=2,
+    ).result()
+    assert "preempted, its kvd holds released" in c["stderr"], c["stderr"][-3000:]
+    done = [r for r in c["requests"] if not r["aborted"]]
+    assert all(len(r["output_token_ids"]) == 96 for r in done), c["requests"]
+    assert _wait_no_holds(kvd_daemon.address)["holds"] == 0
+
+    # D: killed (vLLM and its engine core) while requests wait on their holds.
+    d = start_vllm(
+        model,
+        prompts * 2,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        max_tokens=96,
+        kv_transfer_config=config,
+        llm_kwargs=small,
+        together=True,
+    )
+    deadline = time.monotonic() + 240
+    while _pool_stats(kvd_daemon.address)["holds"] == 0:
+        assert d.proc.poll() is None, "vLLM ended before it held anything"
+        assert time.monotonic() < deadline, "no hold seen"
+        time.sleep(0.1)
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    with pytest.raises(VllmFailed, match="exited -9"):
+        d.result()
+    after = _wait_no_holds(kvd_daemon.address)
+    assert after["holds"] == 0 and after["held_blocks"] == 0, after
+    assert after["blocks"]["in_use"] == 0, after

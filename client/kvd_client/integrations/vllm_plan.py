@@ -368,6 +368,7 @@ class SchedulerPlan:
                 self._drop_hold(req)
                 req.table, req.pending_load = [], None
                 self.counters["preempted"] += 1
+                log.info("kvd: %s preempted, its kvd holds released", req_id)
         for view in scheduled:
             req = self._reqs.get(view.req_id)
             if req is None:
