@@ -322,9 +322,14 @@ class Batch(_Bound[C]):
             raise InvalidRequest(f"{obj!r} belongs to another client")
 
     def allocate(
-        self, seq_id: str, tokens: npt.ArrayLike, reserve: int | None = None
+        self,
+        seq_id: str,
+        tokens: npt.ArrayLike,
+        reserve: int | None = None,
+        keys: PySequence[bytes] | None = None,
     ) -> Deferred[Sequence[C]]:
-        return self._add(_sequence(self._client, self._session.allocate(seq_id, tokens, reserve)))
+        op = self._session.allocate(seq_id, tokens, reserve, keys)
+        return self._add(_sequence(self._client, op))
 
     def can_allocate(self, num_tokens: int, reserve: int | None = None) -> Deferred[Admission]:
         return self._add(self._session.can_allocate(num_tokens, reserve))
@@ -500,15 +505,22 @@ class ClientBase(_Bound[C]):
 
     @operation
     def allocate(
-        self, seq_id: str, tokens: npt.ArrayLike, reserve: int | None = None
+        self,
+        seq_id: str,
+        tokens: npt.ArrayLike,
+        reserve: int | None = None,
+        keys: PySequence[bytes] | None = None,
     ) -> Op[Sequence[C]]:
         """Match the longest cached prefix of ``tokens``, allocate the rest.
 
         ``reserve=N`` guarantees room to grow to N tokens, or the allocation
         is refused now (`OutOfBlocks`, `QuotaExceeded`: nothing changed).
+        ``keys``: the keys of every full block of ``tokens`` when the caller
+        has them already (`block_keys`, or a frontend that hashes requests
+        as vLLM's does); without them the client computes them.
         """
         s = self._session
-        return _new_sequence(self._me, s, s.allocate(seq_id, tokens, reserve))
+        return _new_sequence(self._me, s, s.allocate(seq_id, tokens, reserve, keys))
 
     @operation
     def can_allocate(self, num_tokens: int, reserve: int | None = None) -> Op[Admission]:

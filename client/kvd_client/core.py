@@ -362,9 +362,14 @@ class ClientSession:
     # -- session operations -------------------------------------------------
 
     def allocate(
-        self, seq_id: str, tokens: npt.ArrayLike, reserve: int | None = None
+        self,
+        seq_id: str,
+        tokens: npt.ArrayLike,
+        reserve: int | None = None,
+        keys: Sequence[bytes] | None = None,
     ) -> Op[SeqState]:
-        """Allocate ``seq_id`` for ``tokens`` (longest cached prefix first)."""
+        """Allocate ``seq_id`` for ``tokens`` (longest cached prefix first);
+        ``keys``: the caller's keys of its full blocks (else computed here)."""
         self.require_session()
         arr = np.asarray(tokens)
         req = AllocateRequest(
@@ -372,7 +377,7 @@ class ClientSession:
             seq=_name(seq_id, "sequence id"),
             tokens=arr,
             reserve=_opt_count(reserve, "reserve"),
-            keys=self._prompt_keys(arr),
+            keys=self._prompt_keys(arr) if keys is None else list(keys),
         )
         res = _result(AllocateResult, (yield req))
         return SeqState(

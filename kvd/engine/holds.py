@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
-from kvd_client.wire.hashing import KEY_SIZE
+from kvd_client.wire.hashing import KEY_SIZE, KeyList
 
 from kvd.engine.accounts import Accounts, HoldState, SessionAccount
 from kvd.engine.block import Block
@@ -40,7 +40,11 @@ __all__ = ["HoldTable", "keys_of"]
 
 
 def keys_of(value: object, name: str) -> list[bytes]:
-    """``value`` as a list of block keys; INVALID unless each is a ``KEY_SIZE``-byte bytes."""
+    """``value`` as a list of block keys; INVALID unless each is a ``KEY_SIZE``-byte bytes.
+
+    A `KeyList` (keys cut from a wire frame, fresh per request) is taken as it is."""
+    if type(value) is KeyList:
+        return value
     if not isinstance(value, list | tuple):
         raise InvalidError(f"{name} must be a list of {KEY_SIZE}-byte keys")
     for key in value:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 from kvd.engine.block import Block
 
 __all__ = ["PrefixIndex"]
+
+
+#: Keys looked up in the first chunk of a match (then twice as many each time).
+_FIRST_CHUNK: Final = 16
 
 
 class PrefixIndex(dict[bytes, Block]):
@@ -25,13 +30,26 @@ class PrefixIndex(dict[bytes, Block]):
         self.owner = owner
 
     def match(self, keys: Sequence[bytes]) -> list[Block]:
-        """The blocks of the longest run of leading ``keys`` present."""
-        found = list(map(self.get, keys))
-        try:  # noqa: SIM105 - one scan; a context manager costs more than the match
-            del found[found.index(None) :]
-        except ValueError:  # every key matched
-            pass
-        return found  # type: ignore[return-value]
+        """The blocks of the longest run of leading ``keys`` present.
+
+        Looked up in doubling chunks (C-level ``map`` over each), so a miss
+        stops the scan within twice the hit's length: a 4,096-block prompt
+        that misses at once costs one chunk, not 4,096 lookups."""
+        get = self.get
+        found: list[Block] = []
+        start, step, n = 0, _FIRST_CHUNK, len(keys)
+        while start < n:
+            chunk = list(map(get, keys[start : start + step]))
+            try:
+                del chunk[chunk.index(None) :]
+            except ValueError:  # every key of the chunk matched
+                found += chunk  # type: ignore[arg-type]
+                start += step
+                step *= 2
+                continue
+            found += chunk  # type: ignore[arg-type]
+            break
+        return found
 
     def insert(
         self, blocks: Sequence[Block], keys: Sequence[bytes], first: int = 0

@@ -83,3 +83,23 @@ def test_fork_and_copy_on_write_across_processes(kvd_daemon, spawn_agent) -> Non
     assert a.ok("read", seq="c", start=16, stop=21)["values"] == [1.0] * 4 + [4.0]
     assert a.ok("read", seq="s", start=16, stop=20)["values"] == [1.0] * 4
     assert kvd_daemon.check()["ok"] is True
+
+
+def test_allocate_with_the_callers_keys_hits_as_with_its_own(kvd_daemon) -> None:
+    """``allocate(keys=...)``: keys hashed once by the caller (as vLLM's frontend
+    does) give the same hit as the keys the client computes itself."""
+    import numpy as np
+    from kvd_client import Client
+
+    prompt = np.arange(5000, 5000 + 4 * 16 + 3, dtype=np.int32)
+    with Client.connect(kvd_daemon.address) as a, Client.connect(kvd_daemon.address) as b:
+        first = a.allocate("w", prompt)
+        first.commit()
+        keys = b.block_keys(prompt)
+        seq = b.allocate("r", prompt, keys=keys)
+        assert seq.num_cached_tokens == 4 * 16
+        assert seq.block_table[:4].tolist() == first.block_table[:4].tolist()
+        seq.free()
+        with b.batch() as batch:
+            d = batch.allocate("r2", prompt, keys=keys)
+        assert d.result().num_cached_tokens == 4 * 16

@@ -54,12 +54,19 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEFAULT_HASH_SEED", "KEY_SIZE", "BlockHasher", "event_id", "root_digest"]
+__all__ = ["DEFAULT_HASH_SEED", "KEY_SIZE", "BlockHasher", "KeyList", "event_id", "root_digest"]
 
 #: vLLM's default seed for the root digest (``DEFAULT_NONE_HASH_SEED``).
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 #: Bytes in a key (a SHA-256 digest).
 KEY_SIZE: Final = 32
+
+
+class KeyList(list[bytes]):
+    """Block keys known to be ``KEY_SIZE``-byte bytes each (cut from a keys frame):
+    the engine takes such a list without checking every key again."""
+
+
 # Token ids must be below this (CBOR's 4-byte unsigned form is the widest encoded).
 _TOKEN_LIMIT: Final = 2**32
 
