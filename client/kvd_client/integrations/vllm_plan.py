@@ -452,19 +452,30 @@ def copy_pages(
 ) -> int:
     """Copy row ``src_ids[i]`` to row ``dst_ids[i]`` of every layer; bytes copied.
 
-    ``src[l]`` and ``dst[l]`` are layer ``l``'s ``[num_blocks, page_elems]``
-    views (a kvd pool's `pages`, vLLM's layer tensor viewed so). Each run of
-    ids consecutive on both sides is one ``copy_`` per layer.
+    ``src[l]`` and ``dst[l]`` are layer ``l``'s contiguous CPU ``[num_blocks,
+    page_elems]`` views (a kvd pool's `pages`, vLLM's layer tensor viewed so).
+    Each run of ids consecutive on both sides is one ``np.copyto`` per layer,
+    on byte views of the tensors: torch's ``copy_`` of row slices ran at a
+    seventh of memcpy's speed here (0.65 vs 4.6 GB/s), numpy's at memcpy's.
     """
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source layers for {len(dst)} destination layers")
     runs = paired_runs(src_ids, dst_ids)
     total = 0
     for s_layer, d_layer in zip(src, dst, strict=True):
+        s_np, d_np = _bytes(s_layer), _bytes(d_layer)
         for s, d, n in runs:
-            d_layer[d : d + n].copy_(s_layer[s : s + n])
-        total += len(src_ids) * s_layer.shape[1] * s_layer.element_size()
+            np.copyto(d_np[d : d + n], s_np[s : s + n])
+        total += len(src_ids) * s_np.shape[1]
     return total
+
+
+def _bytes(pages: torch.Tensor) -> npt.NDArray[np.uint8]:
+    """A contiguous CPU ``[num_blocks, page_elems]`` tensor as its ``[num_blocks, bytes]``."""
+    import torch  # noqa: PLC0415 - a tensor was given: torch is there
+
+    arr: npt.NDArray[np.uint8] = pages.view(torch.uint8).numpy()
+    return arr
 
 
 def as_pages(kv_cache: torch.Tensor) -> torch.Tensor:

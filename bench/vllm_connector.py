@@ -1,0 +1,147 @@
+"""KvdConnector across vLLM processes, beside a cold run and vLLM's ExampleConnector.
+
+Run in the vLLM venv (``scripts/vllm-env.sh``):
+
+    $(scripts/vllm-env.sh | tail -n 1)/bin/python -m bench.vllm_connector [--prefix 2048]
+
+A random Llama where prefill dominates (8 layers, hidden 1024, 8 KV heads of
+64, fp32). One vLLM process at a time (2 cores: timings must not share them):
+cold (no connector); A (KvdConnector, saving); B (KvdConnector, loading A's
+prefix); then ExampleConnector's A and B (safetensors files), the peer. Then,
+in this process, the load path's copy (`copy_pages`, kvd pages -> vLLM-shaped
+blocks, every layer) vs one memcpy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from kvd_client.integrations.vllm_plan import copy_pages, paged_layout
+from kvd_client.pool import ShmPages, open_pool
+
+from bench._common import run_daemon
+from tests.vllm.support import LlamaSpec, example_connector, prompt_tokens, run_vllm, tiny_llama
+
+MODEL = LlamaSpec(
+    num_hidden_layers=8,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
+BS = 32
+
+
+def _ttft(out: dict[str, Any]) -> float:
+    (req,) = out["requests"]
+    return float(req["ttft_s"])
+
+
+def _kvd(address: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd_client.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvd_address": address, "kvd_pool_bytes": 2 << 30},
+    }
+
+
+def processes(prefix: int) -> dict[str, float]:
+    model = tiny_llama(MODEL)
+    prompt = prompt_tokens(prefix) + prompt_tokens(9, salt=1)
+    run = {"block_size": BS, "max_model_len": 8192, "max_tokens": 1}
+    out: dict[str, float] = {}
+    ids: dict[str, list[int]] = {}
+    with run_daemon({"num_blocks": 16, "num_layers": 1}) as daemon:
+        for name, config in (("cold", None), ("kvd_a", _kvd(daemon.address))):
+            res = run_vllm(model, [prompt], kv_transfer_config=config, **run)
+            out[name] = _ttft(res)
+            ids[name] = res["requests"][0]["output_token_ids"]
+        res = run_vllm(model, [prompt], kv_transfer_config=_kvd(daemon.address), **run)
+        out["kvd_b"], ids["kvd_b"] = _ttft(res), res["requests"][0]["output_token_ids"]
+        assert res["requests"][0]["num_cached_tokens"] == prefix, res["requests"]
+    with tempfile.TemporaryDirectory() as storage:
+        for name in ("example_a", "example_b"):
+            res = run_vllm(
+                model, [prompt], kv_transfer_config=example_connector(Path(storage)), **run
+            )
+            out[name], ids[name] = _ttft(res), res["requests"][0]["output_token_ids"]
+    assert len({tuple(v) for v in ids.values()}) == 1, ids
+    return out
+
+
+def load_bandwidth(num_blocks: int, rounds: int = 9) -> tuple[float, float, int]:
+    """Seconds of a load of ``num_blocks`` blocks (all layers) and of a memcpy of its bytes."""
+    lay = paged_layout(
+        num_layers=8,
+        num_kv_heads=8,
+        head_size=64,
+        dtype="float32",
+        block_size=BS,
+        engine="vllm/0.32.0/cpu/LBHNC",
+        num_blocks=num_blocks + 8,
+    )
+    path = Path("/dev/shm") / f"kvd-bench-{uuid.uuid4().hex}"
+    with open(path, "wb") as f:
+        f.truncate(lay.total_bytes)
+    try:
+        pool = open_pool({"backend": "shm", "path": str(path), "size": lay.total_bytes}, lay)
+        assert isinstance(pool, ShmPages)
+        pages = [pool.pages(i) for i in range(8)]
+        for p in pages:
+            p.fill_(1.0)
+        vllm = [torch.zeros(2 * num_blocks, 8, BS, 128).view(2 * num_blocks, -1) for _ in range(8)]
+        src = list(range(4, 4 + num_blocks))
+        dst = list(range(num_blocks // 2, num_blocks // 2 + num_blocks))
+        nbytes = 8 * num_blocks * lay.page_bytes
+        flat_src = np.ones(nbytes // 4, np.float32)
+        flat_dst = np.zeros_like(flat_src)
+        load, copy = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            copy_pages(pages, src, vllm, dst)
+            load.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            np.copyto(flat_dst, flat_src)
+            copy.append(time.perf_counter() - t)
+        return statistics.median(load), statistics.median(copy), nbytes
+    finally:
+        os.unlink(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=int, default=2048)
+    args = ap.parse_args()
+    t = processes(args.prefix)
+    load, memcpy, nbytes = load_bandwidth(args.prefix // BS)
+    print(f"model: 8 layers, hidden 1024, 8 KV heads x 64, fp32; prefix {args.prefix} tokens")
+    print(f"{'figure':52} {'value':>10} {'anchor':>10} {'ratio':>7} goal")
+    rows = [
+        ("B TTFT, prefix from kvd vs cold", t["kvd_b"], t["cold"], "<= 0.10"),
+        ("B TTFT, kvd vs ExampleConnector's B", t["kvd_b"], t["example_b"], "<= 1.00"),
+        ("A TTFT (prefill) saving to kvd vs no connector", t["kvd_a"], t["cold"], "<= 1.10"),
+        ("ExampleConnector's B vs cold (the peer)", t["example_b"], t["cold"], "-"),
+        ("ExampleConnector's A vs cold (the peer)", t["example_a"], t["cold"], "-"),
+    ]
+    for name, value, anchor, goal in rows:
+        print(f"{name:52} {value:9.3f}s {anchor:9.3f}s {value / anchor:7.3f} {goal}")
+    gbs, mgbs = nbytes / load / 1e9, nbytes / memcpy / 1e9
+    print(
+        f"{'load kvd -> vLLM blocks vs memcpy (GB/s, ' + str(nbytes >> 20) + ' MiB)':52} "
+        f"{gbs:10.2f} {mgbs:10.2f} {gbs / mgbs:7.3f} >= 0.80"
+    )
+
+
+if __name__ == "__main__":
+    main()
