@@ -21,7 +21,8 @@ all clients are connected to the last one's end), beside the in-process engine
 (``bench/engine.py``'s replay) and vLLM 0.33.0's KVCacheManager in-process, end to
 end, in the same run (in this interpreter when it is ``.bench-venv``'s, else from a
 ``.bench-venv`` child, else not at all). Targets: 1 client >= 1x vLLM in-process end
-to end; 4 clients >= 1.5x 1 client.
+to end; 4 clients >= 1.5x 1 client; against the in-process engine (what the daemon
+costs over a library): 1 client >= 0.6x, 4 clients >= 1.0x.
 
 Run: ``.bench-venv/bin/python -m bench.daemon [--requests N] [--repeat N] [--json]``
 (``.venv/bin/python`` works too: the vLLM anchor then comes from a child process).
@@ -45,6 +46,9 @@ __all__ = ["ClientRun", "client_main", "main", "run_clients"]
 
 TARGET_ONE_VS_VLLM = 1.0
 TARGET_FOUR_VS_ONE = 1.5
+#: What the daemon may cost over the in-process engine (issue #15).
+TARGET_ONE_VS_ENGINE = 0.6
+TARGET_FOUR_VS_ENGINE = 1.0
 #: The daemon's pool: the bench's block count, a tiny layout (metadata is timed).
 POOL = {
     "num_blocks": workload.NUM_BLOCKS,
@@ -224,6 +228,17 @@ def main() -> None:
                 TARGET_FOUR_VS_ONE,
             )
         )
+        for n, target in ((1, TARGET_ONE_VS_ENGINE), (4, TARGET_FOUR_VS_ENGINE)):
+            figures.append(
+                Figure(
+                    f"{short}: daemon, {n} client{'s' if n > 1 else ''}",
+                    med[f"{n}c"],
+                    "req/s",
+                    "in-process engine e2e",
+                    med["engine"],
+                    target,
+                )
+            )
     print_table(
         f"daemon over ipc://, {args.requests} requests, median of {args.repeat}, wall clock "
         f"({machine()})",

@@ -24,8 +24,10 @@ sides and only the daemon's scheduling differs:
   same beside four processes that only spin the CPU (the pipeliners never wait,
   the pingers mostly do).
 
-Rounds alternate scenario and anchor (``--rounds``, ``--seconds`` of probing each);
-p50/p99 are over all rounds' samples. Wall clock, 2 shared cores: compare ratios.
+Rounds alternate anchor and scenario (``--rounds``, ``--seconds`` of probing each);
+each figure is the median over rounds of the round's p50/p99 (one noisy round on
+a shared box moves a pooled p99, not a median). Wall clock, 2 shared cores:
+compare ratios.
 
 Run: ``.venv/bin/python -m bench.hol [--rounds 5] [--seconds 2] [--json]``.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import time
 from multiprocessing.synchronize import Event as EventType
 from typing import Any, Final
@@ -158,14 +161,10 @@ MODES: Final = {
 }
 
 
-def _median(values: list[int]) -> int:
-    return sorted(values)[len(values) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=2.0, help="probing per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=1.5, help="probing per round")
     parser.add_argument("--window", type=int, default=32, help="pings in flight per pipeliner")
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="one scenario")
     parser.add_argument("--json", action="store_true", help="also write bench/results/")
@@ -173,8 +172,9 @@ def main() -> None:
     from kvd_client import Client
 
     names = [args.only] if args.only else list(SCENARIOS)
-    samples: dict[str, list[int]] = {}
-    rates: dict[str, list[int]] = {}
+    #: Each round's p50 and p99 (us) and neighbours' ops/s, by scenario and anchor.
+    rounds: dict[str, list[tuple[float, float, int]]] = {}
+    peak: dict[str, int] = {}
     with (
         run_daemon(POOL) as daemon,
         Client.connect(daemon.address, pool="default", name="probe") as kv,
@@ -185,26 +185,29 @@ def main() -> None:
                 modes, anchor, _, _ = SCENARIOS[name]
                 for key, m in ((f"{name} anchor", anchor), (name, modes)):
                     s, r = _round(daemon.address, kv, m, args.window, args.seconds)
-                    samples.setdefault(key, []).extend(s)
-                    rates.setdefault(key, []).append(r)
+                    p50, p99 = percentile(s, 50) / 1e3, percentile(s, 99) / 1e3
+                    rounds.setdefault(key, []).append((p50, p99, r))
+                    peak[key] = max(peak.get(key, 0), *s)
     figures = []
     for name in names:
-        modes, _, target, anchor_name = SCENARIOS[name]
-        got, base = samples[name], samples[f"{name} anchor"]
-        for q in (50, 99):
+        _, _, target, anchor_name = SCENARIOS[name]
+        got, base = rounds[name], rounds[f"{name} anchor"]
+        for q, col in ((50, 0), (99, 1)):
             figures.append(
                 Figure(
                     f"{name}: probe ping p{q}",
-                    percentile(got, q) / 1e3,
+                    statistics.median(r[col] for r in got),
                     "us",
                     f"{anchor_name}, p{q}",
-                    percentile(base, q) / 1e3,
+                    statistics.median(r[col] for r in base),
                     target if q == 99 else float("inf"),
                     higher_is_better=False,
                     note=(
-                        f"neighbours' ops/s (median of rounds) {_median(rates[name]):,} vs "
-                        f"anchor {_median(rates[f'{name} anchor']):,}; max "
-                        f"{max(got) / 1e3:,.0f} us vs {max(base) / 1e3:,.0f} us"
+                        f"neighbours' ops/s {statistics.median(r[2] for r in got):,.0f} vs "
+                        f"anchor {statistics.median(r[2] for r in base):,.0f}; max "
+                        f"{peak[name] / 1e3:,.0f} us vs {peak[f'{name} anchor'] / 1e3:,.0f} us; "
+                        f"p99 per round {', '.join(f'{r[1]:,.0f}' for r in got)} vs "
+                        f"{', '.join(f'{r[1]:,.0f}' for r in base)} us"
                     )
                     if q == 99
                     else "",

@@ -178,8 +178,12 @@ def keys_from_bytes(buf: bytes | memoryview) -> KeyList:
         raise ProtocolError(Code.INVALID, f"keys of {size} bytes are not {KEY_SIZE}-byte keys")
     if size // KEY_SIZE > MAX_KEYS:
         raise ProtocolError(Code.TOO_LARGE, f"more than {MAX_KEYS} keys in one field")
-    keys = KeyList()
     step = KEY_SIZE * _KEYS_CHUNK
+    if size < step:  # the common few keys: one slice each
+        if type(buf) is not bytes:
+            buf = bytes(buf)
+        return KeyList([buf[i : i + KEY_SIZE] for i in range(0, size, KEY_SIZE)])
+    keys = KeyList()
     full = size - size % step
     for off in range(0, full, step):
         keys += _unpack_keys(buf, off)
