@@ -135,6 +135,19 @@ class ServerConfig:
     sndhwm: int = 10000
     #: Most sessions at once; a hello beyond it gets BUSY. 0 = unlimited.
     max_sessions: int = 1024
+    #: A connection that sent no hello this long after it was accepted is shut
+    #: down (it holds a descriptor); 0 = never.
+    hello_timeout_ms: int = 10000
+    #: Growth of the daemon's anonymous memory past which the connections that sent
+    #: no complete message while it grew are shut down (an unfinished multipart
+    #: message, which libzmq buffers without bound); 0 = off.
+    memory_guard_bytes: int = 128 << 20
+    #: Reply bytes libzmq may hold for one peer that does not read them; past it the
+    #: peer's replies are dropped and its session closed. 0 = no limit.
+    max_queued_reply_bytes: int = 16 << 20
+    #: Find a local tcp peer's process at its hello (``/proc``) and watch its pid as
+    #: an ipc peer's; false: tcp sessions live by lease and quarantine alone.
+    tcp_pid_watch: bool = True
 
     def __post_init__(self) -> None:
         if self.address:
@@ -154,6 +167,13 @@ class ServerConfig:
         _require(self.rcvhwm >= 0, "rcvhwm", "must be >= 0 (0 = no limit)")
         _require(self.sndhwm >= 0, "sndhwm", "must be >= 0 (0 = no limit)")
         _require(self.max_sessions >= 0, "max_sessions", "must be >= 0 (0 = unlimited)")
+        _require(self.hello_timeout_ms >= 0, "hello_timeout_ms", "must be >= 0 (0 = never)")
+        _require(self.memory_guard_bytes >= 0, "memory_guard_bytes", "must be >= 0 (0 = off)")
+        _require(
+            self.max_queued_reply_bytes >= 0,
+            "max_queued_reply_bytes",
+            "must be >= 0 (0 = no limit)",
+        )
         tcp = self.tcp_address or self.address.startswith("tcp://")
         _require(
             not tcp or bool(self.curve_secret_key_file and self.curve_clients_dir),

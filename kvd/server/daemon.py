@@ -28,6 +28,19 @@ thread: an ``anyio.wait_readable`` wake-up costs ~20 µs per request on
 this machine (asyncio's epoll callback, a future, a task step), more than
 the whole handling of a PING; see docs/architecture.md, "Request path".
 
+What no client may do (issue #14), watched from the loop (`_guard`, every
+10 ms): shut down connections that sent no hello within
+``server.hello_timeout_ms`` and, when the daemon's anonymous memory grew by
+``server.memory_guard_bytes``, the connections that sent no complete
+message meanwhile (libzmq buffers an unfinished message without bound; see
+`transport.ConnectionWatch`). The request thread sends each reply's last
+frame tracked and stops at ``server.max_queued_reply_bytes`` for a peer that
+does not read (its replies dropped, its session closed). When no message
+came for a maintenance period, freed heap goes back to the kernel
+(``malloc_trim``, in a worker thread). A hello on tcp first has its peer's
+pid found (a worker thread, `local_tcp_pid`), so a local tcp client is
+watched by pid as an ipc one is.
+
 SIGTERM/SIGINT start a graceful drain: requests that start new work
 (hello, allocate, fork, pin, flush) get SHUTTING_DOWN, running sequences
 may still append, commit, truncate and free; the drain ends when no
@@ -54,8 +67,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import secrets
 import signal
+import socket
 import threading
 import time
 import typing
@@ -69,6 +84,7 @@ import structlog
 import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvd_client import wire
+from zmq.utils.monitor import recv_monitor_message
 
 from kvd.config import Config, PoolConfig
 from kvd.errors import DaemonError, StartupError
@@ -85,6 +101,7 @@ from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
 from kvd.server.sessions import (
     DescriptorBudget,
     SessionTable,
+    local_tcp_pid,
     parse_peer_address,
     raise_nofile_limit,
 )
@@ -93,12 +110,24 @@ __all__ = ["Daemon"]
 
 log = structlog.get_logger("kvd.server")
 
+# Plain ints: pyzmq's flag enums cost an enum construction per operation.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_SNDMORE: Final = int(zmq.SNDMORE)
 #: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
 _REFUSE_AT_EXIT = 10_000
 #: A body frame larger than this is handed to the decoder as a view, not copied.
 _COPY_BODY_MAX: Final = 64 * 1024
+#: How often the loop checks connections and the daemon's memory (seconds): an
+#: unfinished message over ipc grows memory by ~1 GB/s, ~10 MB per check.
+_GUARD_INTERVAL: Final = 0.01
+#: Guard checks between two looks for connections past their hello deadline.
+_HELLO_CHECK_EVERY: Final = 50
 #: How often the loop moves engine events to the publisher's channels (seconds).
 _EVENTS_INTERVAL = 0.002
+
+
+#: A tcp hello waiting for its peer's pid: identity, frames, CURVE user id, connection (a dup).
+_TcpHello = tuple[bytes, list[bytes], str | None, socket.socket]
 
 
 class Daemon:
@@ -152,6 +181,23 @@ class Daemon:
         self._thread_error: BaseException | None = None
         #: Engine events by pool, queued under the lock, moved to the channels by the loop.
         self._events: collections.deque[tuple[str, list[Any]]] = collections.deque()
+        server = config.server
+        #: The ROUTER's connections (its monitor's events) and which to shut down.
+        self._watch = transport.ConnectionWatch(
+            hello_timeout_s=server.hello_timeout_ms / 1e3,
+            memory_budget=server.memory_guard_bytes,
+        )
+        self._monitor: zmq.Socket[bytes] | None = None
+        #: Reply bytes libzmq holds per peer (the request thread's).
+        self._replies = transport.ReplyQueues(server.max_queued_reply_bytes)
+        #: Replies dropped because their peer does not read (the request thread's).
+        self._replies_dropped = 0
+        #: Messages the request thread took (the loop trims memory when it stands still).
+        self._handled = 0
+        #: tcp hellos waiting for their peer's pid: (identity, frames, user id, connection).
+        self._tcp_hellos: tuple[
+            MemoryObjectSendStream[_TcpHello], MemoryObjectReceiveStream[_TcpHello]
+        ] = anyio.create_memory_object_stream[_TcpHello](max_buffer_size=float("inf"))
 
     # ------------------------------------------------------------------
     # Start
@@ -192,6 +238,11 @@ class Daemon:
         self._sock = await anyio.to_thread.run_sync(
             transport.bind_router, self._ctx, self.addresses, self.config.server, curve
         )
+        # Tracked sends (the reply probes) must be zero-copy: a copied frame's tracker
+        # is done at once. Plain sends copy as before.
+        self._sock.copy_threshold = 0
+        # Every accepted connection from the first on (the watch knows its descriptor).
+        self._monitor = self._sock.get_monitor_socket(transport.MONITOR_EVENTS)
         # Only socket files this daemon bound are unlinked at exit: a failed
         # start must never remove a live daemon's socket.
         self._bound = [p for a in self.addresses if (p := wire.ipc_path(a)) is not None]
@@ -222,6 +273,9 @@ class Daemon:
         if self._publisher is not None:  # a failed start: nothing left to send
             self._publisher.close()
             self._publisher = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
         if self._sock is not None:
             self._sock.close(linger_ms)
             self._sock = None
@@ -272,6 +326,7 @@ class Daemon:
                 self.dispatcher.info.sections["events"] = publisher.stats
             if self._zap is not None:
                 self.dispatcher.info.sections["security"] = self._zap.stats
+            self.dispatcher.info.sections["transport"] = self._transport_stats
             # The handlers go in before the socket is served: a signal sent as soon
             # as the daemon answers (or says READY=1) must never meet the default
             # action (SIGHUP's is to terminate).
@@ -312,6 +367,10 @@ class Daemon:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
+            tg.start_soon(self._guard)
+            if self._zap is not None and self.config.server.tcp_pid_watch:
+                # A tcp endpoint: its hellos wait for their peer's pid.
+                tg.start_soon(self._tcp_hello_pids, self._tcp_hellos[1])
             tg.start_soon(self._create_runtime_pools, self._pending[1])
             if self._zap is not None:
                 tg.start_soon(self._zap.serve)
@@ -427,19 +486,29 @@ class Daemon:
         # The Cython socket's own send and recv: zmq.Socket.send is a Python wrapper
         # around it, and Socket.get(RCVMORE) builds a SocketOption enum per call
         # (~1 µs); a received Frame carries its ``more`` flag.
-        recv, send = zmq.backend.Socket.recv, zmq.backend.Socket.send
-        # Plain ints: pyzmq's flag enums cost an enum construction per operation.
-        noblock = int(zmq.NOBLOCK)
-        more = int(zmq.SNDMORE)
+        recv = zmq.backend.Socket.recv
+        noblock = _NOBLOCK
         # Kinds whose connection's identity matters: HELLO (namespace policy, pid
         # watch) and, once security.admins is set, the admin kinds.
         vetted = {bytes((wire.Kind.HELLO,))}
         if dispatcher.policy.admins:
             vetted |= {bytes((k,)) for k, cls in wire.REQUESTS.items() if cls.ADMIN}
         curve = self._zap is not None
+        tcp_pids = curve and self.config.server.tcp_pid_watch
+        hello = bytes((wire.Kind.HELLO,))
+        watch = self._watch
+        heard, said_hello = watch.heard, watch.hello
+        srcfd = int(zmq.SRCFD)
+        deliver = self._deliver
         while True:
             # Blocking: requests and the loop's wake-ups come through this one queue.
-            ident = frame = recv(sock, 0, False)
+            try:
+                ident = frame = recv(sock, noblock, False)
+            except zmq.Again:  # all that was queued is heard (the memory guard asks)
+                watch.drained = watch.tick
+                watch.waiting = True
+                ident = frame = recv(sock, 0, False)
+                watch.waiting = False
             frames: list[bytes] = []
             while frame.more:
                 frame = recv(sock, 0, False)
@@ -458,9 +527,13 @@ class Daemon:
                         self._refuse_queued(sock, dispatcher)
                         return
                     while outbox:
-                        with contextlib.suppress(zmq.ZMQError):
-                            sock.send_multipart(outbox.popleft(), noblock)
+                        queued = outbox.popleft()
+                        deliver(sock, queued[0], queued[1:])
                 continue
+            # The connection spoke: a complete message (the memory guard's test).
+            fd = ident.get(srcfd)
+            heard[fd] = watch.tick
+            self._handled += 1
             peer = user_id = None
             if frames[0] in vetted:
                 # Kernel credentials of the connection (ipc only); see sessions.py.
@@ -469,19 +542,66 @@ class Daemon:
                 if curve:  # the client's CURVE key, as the ZAP handler answered
                     with contextlib.suppress(zmq.ZMQError):
                         user_id = str(ident.get("User-Id")) or None
+                if frames[0] == hello:
+                    said_hello(fd)
+                    if peer is None and tcp_pids:
+                        # tcp: its peer's pid is looked for in a worker thread first
+                        # (~10 ms of /proc), then the loop has the hello handled.
+                        with contextlib.suppress(OSError):
+                            conn = socket.socket(fileno=os.dup(fd))
+                            waiting = (identity, frames, user_id, conn)
+                            anyio.from_thread.run_sync(
+                                self._tcp_hellos[0].send_nowait, waiting, token=token
+                            )
+                            continue
             with lock:
                 reply = handle(identity, frames, peer, user_id)
             if not reply:  # a hello waits for its pool: the loop's task creates it
                 for job in dispatcher.take_pending():
                     anyio.from_thread.run_sync(self._pending[0].send_nowait, job, token=token)
                 continue
-            try:
-                send(sock, identity, noblock | more)
-                for part in reply[:-1]:
-                    send(sock, part, noblock | more)
-                send(sock, reply[-1], noblock)
-            except zmq.ZMQError:
-                pass  # the peer's queue is full or it is gone: the reply is dropped
+            deliver(sock, identity, reply)
+
+    def _deliver(self, sock: zmq.Socket[bytes], identity: bytes, reply: list[bytes]) -> None:
+        """Send ``reply`` to ``identity`` unless the peer holds too many unread bytes already.
+
+        Request thread only. Some replies go as probes (`transport.ReplyQueues`);
+        a peer past ``server.max_queued_reply_bytes`` loses this reply and its session.
+        """
+        size = sum(map(len, reply))
+        replies = self._replies
+        if not replies.admits(identity, size):
+            self._replies_dropped += 1
+            self._close_unread(identity)
+            return
+        send = zmq.backend.Socket.send
+        flags = _NOBLOCK | _SNDMORE
+        probe = replies.sending(identity, size)
+        try:
+            send(sock, identity, flags)
+            for part in reply[:-1]:
+                send(sock, part, flags)
+            if probe:  # zero-copy (the socket's copy_threshold is 0), tracked
+                replies.probe(identity, send(sock, reply[-1], _NOBLOCK, False, True))
+            else:
+                send(sock, reply[-1], _NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer's queue is full or it is gone: the reply is dropped
+
+    def _close_unread(self, identity: bytes) -> None:
+        """Close the session of a peer that does not read its replies (once)."""
+        assert self.dispatcher is not None
+        with self._lock:
+            session = self.dispatcher.state.sessions.peek(identity)
+            if session is not None:
+                log.warning(
+                    "replies_unread",
+                    session=session.id,
+                    client=session.name,
+                    limit=self._replies.limit,
+                    note="its replies are dropped until it reads them",
+                )
+                self.dispatcher.handshake.close(session, "replies_unread")
 
     @staticmethod
     def _refuse_queued(sock: zmq.Socket[bytes], dispatcher: Dispatcher) -> None:
@@ -549,8 +669,17 @@ class Daemon:
         sessions = dispatcher.state.sessions
         handshake = dispatcher.handshake
         period = self.config.server.pid_watch_ms / 1e3
+        seen, trimmed = self._handled, True
         while True:
             await anyio.sleep(period)
+            # A period without messages after some: give the freed heap back (the
+            # replies queued to peers that left, a burst's buffers).
+            handled = self._handled
+            if handled != seen:
+                seen, trimmed = handled, False
+            elif not trimmed:
+                trimmed = True
+                await anyio.to_thread.run_sync(transport.malloc_trim)
             with self._lock:
                 for session in sessions.sweep_pids():
                     handshake.close(session, "pid_exited")
@@ -560,6 +689,82 @@ class Daemon:
                 notices = dispatcher.info.pressure_notices()
             for identity, frames in notices:
                 self._send(identity, frames)
+
+    async def _guard(self) -> None:
+        """Follow the ROUTER's connections; shut down the silent ones the limits name."""
+        monitor = self._monitor
+        assert monitor is not None
+        watch = self._watch
+        checks = 0
+        while True:
+            await anyio.sleep(_GUARD_INTERVAL)
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_ACCEPTED:
+                    watch.accepted(int(event["value"]))
+                else:
+                    watch.closed(int(event["value"]))
+            # What libzmq holds for peers that do not read is bounded on its own.
+            queued = self._replies.queued()
+            if watch.memory(transport.anon_rss() - queued):
+                # Freed heap kept by the allocator is not a peer's: give it back first.
+                await anyio.to_thread.run_sync(transport.malloc_trim)
+                anon = transport.anon_rss() - queued
+                silent = watch.silent(anon)
+            else:
+                silent = []
+            if silent:
+                shut = watch.shutdown(silent, "memory_guard")
+                log.warning(
+                    "memory_guard",
+                    anon_rss=anon,
+                    limit=watch.memory_budget,
+                    shut=shut,
+                    note="connections that sent no complete message while memory grew",
+                )
+                await anyio.to_thread.run_sync(transport.malloc_trim)
+            checks += 1
+            if checks % _HELLO_CHECK_EVERY == 0:
+                overdue = watch.overdue()
+                if overdue:
+                    shut = watch.shutdown(overdue, "no_hello")
+                    log.info("no_hello", shut=shut, timeout_ms=self.config.server.hello_timeout_ms)
+
+    async def _tcp_hello_pids(self, jobs: MemoryObjectReceiveStream[_TcpHello]) -> None:
+        """Find each tcp hello's peer pid (worker thread), then have the hello handled."""
+        dispatcher = self.dispatcher
+        assert dispatcher is not None
+        sessions = dispatcher.state.sessions
+        async for identity, frames, user_id, conn in jobs:
+            try:
+                pid = await anyio.to_thread.run_sync(local_tcp_pid, conn)
+            finally:
+                conn.close()
+            with self._lock:
+                sessions.expect_pid(identity, pid)
+                reply = dispatcher.handle(identity, frames, None, user_id)
+                if reply:  # answered (a session or a refusal): nothing more to expect
+                    sessions.expect_pid(identity, None)
+                pending = dispatcher.take_pending()
+            if pid is not None:
+                log.info("tcp_peer_identified", peer_pid=pid)
+            for job in pending:
+                self._pending[0].send_nowait(job)
+            if reply:
+                self._send(identity, reply)
+
+    def _transport_stats(self) -> dict[str, Any]:
+        """The ``transport`` stats section: connections, shut ones, queued and dropped replies."""
+        return {
+            "connections": len(self._watch),
+            "shut": dict(sorted(self._watch.shut.items())),
+            "replies_queued_bytes": self._replies.queued(),
+            "replies_queued_peers": self._replies.peers(),
+            "replies_dropped": self._replies_dropped,
+        }
 
     async def _move_events(self) -> None:
         """Hand the engines' events to their channels (the publisher is the loop's)."""

@@ -4,15 +4,18 @@ Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session.
 `Info.stats` is the one source of every stats section: the STATS reply,
 ``kvd-ctl stats``, the metrics endpoint and the systemd status line. The
 ``config`` section (the running config, and which keys a SIGHUP applies)
-is sent only when a STATS request names it.
+is sent only when a STATS request names it. The CLIENTS listing stops at
+`CLIENTS_LISTED` sessions (oldest first) and says how many there are: its
+reply stays bounded however many sessions the daemon serves (issue #14).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import structlog
 from kvd_client import wire
@@ -23,7 +26,10 @@ from kvd.engine import EngineStats, InvariantError
 from kvd.errors import RequestError
 from kvd.server.context import Call, Outcome, ServerState
 
-__all__ = ["Info"]
+__all__ = ["CLIENTS_LISTED", "Info"]
+
+#: Most sessions one CLIENTS reply lists (~250 bytes each).
+CLIENTS_LISTED: Final = 1024
 
 log = structlog.get_logger("kvd.server")
 
@@ -74,9 +80,10 @@ class Info:
         now = state.sessions.clock()
         usage = {pool.name: pool.engine.stats().session_usage for pool in state.pools}
         listing = [
-            s.info(now) | {"usage_blocks": usage[s.pool].get(s.id, 0)} for s in state.sessions
+            s.info(now) | {"usage_blocks": usage[s.pool].get(s.id, 0)}
+            for s in itertools.islice(state.sessions, CLIENTS_LISTED)
         ]
-        return wire.InfoResult(info={"sessions": listing})
+        return wire.InfoResult(info={"sessions": listing, "total": len(state.sessions)})
 
     def pools(self, req: wire.PoolsRequest, call: Call) -> Outcome:
         by_pool = Counter(s.pool for s in self.state.sessions)

@@ -15,8 +15,19 @@ seen from the daemon's pid namespace). The watch uses that pid, never the
 one the hello claims: a client in another pid namespace reports its own
 view of its pid, and a wrong claim must not get a live client's session
 closed. Where Linux offers it, the watch holds a pidfd per session (no
-race with pid reuse); otherwise it probes with ``kill(pid, 0)``. tcp
-connections carry no credentials and rely on the lease alone.
+race with pid reuse); otherwise it probes with ``kill(pid, 0)``.
+
+tcp connections carry no credentials. A local tcp peer is found as ``ss
+-p`` finds it (`local_tcp_pid`: the connection's two addresses, the peer's
+socket inode in ``/proc/net/tcp``/``tcp6``, the process holding that inode
+in ``/proc/*/fd``; ~10 ms, so the daemon runs it in a worker thread before
+the hello is handled and hands the pid over with `SessionTable.expect_pid`).
+Its session is then watched by that pid as an ipc peer's is: alive
+(stopped included) it keeps its session and its blocks, dead it is closed
+within a sweep. Peers not found (another host, another network or pid
+namespace, another user's process unreadable to the daemon) keep the lease
+and the quarantine (`Handshake.close`): a remote peer cannot map the pool
+at all (shm and CUDA IPC are node-local), so it cannot write into blocks.
 
 The pidfds are watched with ``poll(2)`` (one poll object for the table),
 never ``select(2)``: select cannot take a descriptor numbered 1024 or more
@@ -38,9 +49,12 @@ hard one (call it once at start).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import resource
 import select
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +68,7 @@ __all__ = [
     "PeerCred",
     "Session",
     "SessionTable",
+    "local_tcp_pid",
     "nofile_limit",
     "open_fd_count",
     "parse_peer_address",
@@ -114,13 +129,15 @@ class Session:
     created: float
     last_seen: float
     requests: int = 0
-    #: Open pidfd of ``peer.pid`` (None without credentials or without pidfd support).
+    #: A local tcp peer's pid, found from its connection (`local_tcp_pid`).
+    tcp_pid: int | None = None
+    #: Open pidfd of the watched pid (None without one or without pidfd support).
     pidfd: int | None = field(default=None, repr=False)
 
     @property
     def watched_pid(self) -> int | None:
         """The kernel-verified pid the watch follows (None: lease only)."""
-        return self.peer.pid if self.peer is not None else None
+        return self.peer.pid if self.peer is not None else self.tcp_pid
 
     def info(self, now: float) -> dict[str, Any]:
         """Plain data for the clients listing."""
@@ -183,6 +200,65 @@ def _kill_probe(session: Session) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# -- local tcp peers --------------------------------------------------------------------
+
+
+def _proc_net_address(host: str, port: int) -> str:
+    """``host:port`` as ``/proc/net/tcp*`` prints it (address in 32-bit host-order words)."""
+    packed = ipaddress.ip_address(host).packed
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
+def _socket_inode(local: str, remote: str, tables: tuple[str, ...]) -> int | None:
+    for table in tables:
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[1] == local and fields[2] == remote:
+                return int(fields[9]) or None
+    return None
+
+
+def _holder_of(inode: int, proc: Path) -> int | None:
+    link = f"socket:[{inode}]"
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):  # gone, or another user's (unreadable)
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == link:
+                        return int(entry.name)
+    return None
+
+
+def local_tcp_pid(conn: socket.socket, proc: Path = Path("/proc")) -> int | None:
+    """The pid of the process on this host at the other end of tcp ``conn``; None if not found.
+
+    The peer's socket is the one whose local address is our ``conn``'s remote
+    one and the other way round (``/proc/net/tcp``, ``tcp6``); its holder is the
+    process with a descriptor on that socket's inode. Blocking (~10 ms: every
+    process's descriptors are read); run it in a worker thread.
+    """
+    try:
+        ours, theirs = conn.getsockname(), conn.getpeername()
+    except OSError:
+        return None
+    six = conn.family == socket.AF_INET6
+    try:
+        local = _proc_net_address(theirs[0], theirs[1])
+        remote = _proc_net_address(ours[0], ours[1])
+    except ValueError:
+        return None
+    tables = (str(proc / "net" / ("tcp6" if six else "tcp")),)
+    inode = _socket_inode(local, remote, tables)
+    return None if inode is None else _holder_of(inode, proc)
 
 
 # -- descriptors ------------------------------------------------------------------------
@@ -348,6 +424,8 @@ class SessionTable:
         self._next_id = 1
         #: Every open pidfd, for one poll(2) per sweep.
         self._poller = select.poll()
+        #: Pids of local tcp peers found before their hello, by connection identity.
+        self._tcp_pids: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -369,6 +447,16 @@ class SessionTable:
                 f"limit {budget.limit}, {budget.reserve} kept in reserve)"
             )
         return None
+
+    def expect_pid(self, identity: bytes, pid: int | None) -> None:
+        """The next session `open` for ``identity`` without credentials watches ``pid``.
+
+        None forgets what was expected (a hello that opened no session).
+        """
+        if pid is None:
+            self._tcp_pids.pop(identity, None)
+        else:
+            self._tcp_pids[identity] = pid
 
     def open(
         self,
@@ -397,8 +485,11 @@ class SessionTable:
             created=now,
             last_seen=now,
         )
-        if self._watch_pids and peer is not None:
-            session.pidfd = _open_pidfd(peer.pid)
+        if peer is None:
+            session.tcp_pid = self._tcp_pids.pop(identity, None)
+        pid_watched = session.watched_pid
+        if self._watch_pids and pid_watched is not None:
+            session.pidfd = _open_pidfd(pid_watched)
             if session.pidfd is not None:
                 self._poller.register(session.pidfd, select.POLLIN)
         if self.descriptors is not None:

@@ -26,14 +26,42 @@ MAX_MESSAGE_BYTES, because libzmq drops a larger frame by closing the
 connection without a word; anything the decoder refuses below it gets a
 TOO_LARGE reply instead. ROUTER_MANDATORY stays off (a reply to a vanished
 peer is dropped, not an error), high-water marks from the config, LINGER 0.
+
+What libzmq cannot bound, watched from outside (issue #14):
+
+- `ConnectionWatch`: the ROUTER's accepted connections by descriptor (its
+  monitor's ACCEPTED and DISCONNECTED/CLOSED events), which of them sent a
+  complete message lately (``Frame.get(SRCFD)`` in the request thread) and
+  which sent a hello. It picks the connections to `shutdown`: those that sent
+  no hello within ``server.hello_timeout_ms`` (each holds a descriptor, and
+  libzmq aborts the process on EMFILE in an ipc accept), and, once the
+  daemon's anonymous memory grew past ``server.memory_guard_bytes``, those
+  that sent no complete message while it grew. The second is an interim
+  bound: libzmq 4.3.5 buffers an unfinished multipart message without limit
+  (MAXMSGSIZE bounds one frame, the high-water marks count whole messages),
+  so the daemon can only see its memory grow and drop the silent
+  connections; the root fix belongs in libzmq.
+- `ReplyQueues`: the bytes of replies libzmq still holds per peer (a
+  reply's last frame sent with ``track=True`` every 64 KiB), so a peer that never reads
+  is cut off at ``server.max_queued_reply_bytes`` instead of at SNDHWM
+  messages of any size.
+- `anon_rss` and `malloc_trim`: the daemon's own memory, and giving freed
+  heap back to the kernel when idle (glibc keeps it otherwise).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import os
+import socket
 import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -48,10 +76,16 @@ from kvd.server.security import CurveKeys, bind_curve, check_dir
 
 __all__ = [
     "MAXMSGSIZE",
+    "MONITOR_EVENTS",
+    "ConnectionWatch",
+    "ReplyQueues",
+    "anon_rss",
     "bind_router",
     "check_address",
     "instance_id",
+    "malloc_trim",
     "probe_daemon",
+    "shutdown",
 ]
 
 #: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
@@ -164,3 +198,299 @@ def check_address(address: str, config: ServerConfig, ctx: zmq.Context[zmq.Socke
     path = wire.ipc_path(address)
     if path is not None:
         _prepare_ipc(path, config, ctx)
+
+
+# -- what libzmq does not bound --------------------------------------------------------
+
+#: The ROUTER monitor's events `ConnectionWatch` follows.
+MONITOR_EVENTS: Final = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_PAGE: Final = os.sysconf("SC_PAGE_SIZE")
+
+
+def anon_rss() -> int:
+    """This process's resident anonymous memory in bytes (``/proc/self/statm``).
+
+    Resident less shared (file and shm pages: the pools' mappings), which is
+    what libzmq's buffers and the Python heap grow. ~5 µs.
+    """
+    with open("/proc/self/statm", "rb") as fh:
+        fields = fh.read().split()
+    return (int(fields[1]) - int(fields[2])) * _PAGE
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def malloc_trim() -> bool:
+    """Give the heap's free memory back to the kernel (glibc ``malloc_trim(0)``).
+
+    Blocking (milliseconds on a large heap; ctypes releases the GIL): call
+    it in a worker thread. False where the C library has no malloc_trim.
+    """
+    return _malloc_trim is not None and bool(_malloc_trim(0))
+
+
+def shutdown(fd: int, inode: int) -> bool:
+    """``shutdown(SHUT_RDWR)`` the connection at ``fd`` if it is still socket ``inode``.
+
+    libzmq owns the descriptor and closes it when it sees the end; this only
+    ends the connection. The inode check keeps a descriptor number that was
+    closed and reused (a pool file, another connection) from being touched.
+    """
+    try:
+        if os.fstat(fd).st_ino != inode:
+            return False
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        dup.close()
+    return True
+
+
+@dataclass(slots=True)
+class _Connection:
+    inode: int
+    accepted: float
+    #: Why it was shut down (it stays listed until libzmq closes it).
+    shut: str | None = None
+
+
+class ConnectionWatch:
+    """The ROUTER's connections by descriptor, and the ones to shut down.
+
+    Fed by the monitor (`accepted`, `closed`, on the event loop) and by the
+    request thread (``heard[fd] = watch.tick`` for every complete message,
+    `hello` for every hello, ``drained``/``waiting`` when its queue is empty:
+    plain stores, no lock). The monitor's events reach the loop late, when a
+    descriptor number may already be the next connection's: what the request
+    thread noted is kept unless nothing is at the number, and a hello is
+    noted with its socket's inode. `overdue`, and `memory` then `silent`,
+    say which connections to `shutdown`; ``shut`` counts them by reason.
+    """
+
+    def __init__(
+        self,
+        *,
+        hello_timeout_s: float,
+        memory_budget: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.hello_timeout_s = hello_timeout_s
+        self.memory_budget = memory_budget
+        self.clock = clock
+        #: Bumped by every `memory` check; what the request thread stores in ``heard``.
+        self.tick = 0
+        #: Descriptor -> ``tick`` of its last complete message (the request thread's).
+        self.heard: dict[int, int] = {}
+        #: Descriptor -> inode of the connection that sent a hello there (`hello`).
+        self.hellos: dict[int, int] = {}
+        #: The request thread found its queue empty at this tick / is blocked on it
+        #: now: every complete message that came before has been heard.
+        self.drained = 0
+        self.waiting = False
+        self.shut: collections.Counter[str] = collections.Counter()
+        self._open: dict[int, _Connection] = {}
+        #: Lowest anonymous memory seen since the last re-arm, and the last tick
+        #: at which memory was within half the budget of it (growth began after).
+        self._low: int | None = None
+        self._calm = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def accepted(self, fd: int) -> None:
+        """The monitor's ACCEPTED: ``fd`` is a new connection.
+
+        What the request thread noted for ``fd`` stays: it may already have
+        heard this connection (the event reaches the loop later).
+        """
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:  # already gone
+            return
+        self._open[fd] = _Connection(inode, self.clock())
+
+    def closed(self, fd: int) -> None:
+        """The monitor's DISCONNECTED or CLOSED: ``fd`` is no longer that connection."""
+        self._open.pop(fd, None)
+        try:
+            os.fstat(fd)
+        except OSError:  # nothing there: what was noted was that connection's
+            self.heard.pop(fd, None)
+            self.hellos.pop(fd, None)
+
+    def hello(self, fd: int) -> None:
+        """The connection at ``fd`` sent a hello (request thread; one ``fstat``)."""
+        with contextlib.suppress(OSError):
+            self.hellos[fd] = os.fstat(fd).st_ino
+
+    def overdue(self) -> list[int]:
+        """Connections that sent no hello within ``hello_timeout_s`` of their accept."""
+        if self.hello_timeout_s <= 0:
+            return []
+        deadline = self.clock() - self.hello_timeout_s
+        hellos = self.hellos
+        return [
+            fd
+            for fd, c in self._open.items()
+            if c.shut is None and c.accepted < deadline and hellos.get(fd) != c.inode
+        ]
+
+    def memory(self, anon: int) -> bool:
+        """Note the daemon's anonymous memory, ``anon`` bytes; is it past the budget?
+
+        The budget counts from the lowest level seen (re-armed by `silent`).
+        Called every check: it also advances ``tick``.
+        """
+        self.tick += 1
+        budget = self.memory_budget
+        if budget <= 0:
+            return False
+        if self._low is None or anon < self._low:
+            self._low = anon
+        if anon <= self._low + budget // 2:
+            self._calm = self.tick  # growth, if any, begins after this check
+        return anon > self._low + budget
+
+    def silent(self, anon: int) -> list[int]:
+        """Connections to shut down with memory still at ``anon`` after `memory` said past it.
+
+        Those that sent no complete message since memory was last within half
+        the budget: an unfinished message grows memory while its connection
+        stays silent. Only once the request thread has heard everything queued
+        since then (a backlog of complete messages also looks silent), unless
+        memory is past twice the budget. None, and none being shut: the growth
+        is the daemon's own, and the budget counts from here.
+        """
+        low, budget, calm = self._low, self.memory_budget, self._calm
+        if low is None or budget <= 0 or anon <= low + budget:
+            return []
+        if not (self.waiting or self.drained >= calm) and anon <= low + 2 * budget:
+            return []
+        heard = self.heard
+        found = [fd for fd, c in self._open.items() if c.shut is None and heard.get(fd, -1) < calm]
+        if not found and not any(c.shut for c in self._open.values()):
+            self._low = anon
+            self._calm = self.tick
+        return found
+
+    def shutdown(self, fds: list[int], reason: str) -> int:
+        """`shutdown` each of ``fds`` (counted under ``reason``); how many were ended."""
+        done = 0
+        for fd in fds:
+            conn = self._open.get(fd)
+            if conn is None:
+                continue
+            if shutdown(fd, conn.inode):
+                conn.shut = reason
+                self.shut[reason] += 1
+                done += 1
+            else:  # closed and perhaps reused since its accept: not ours to touch
+                del self._open[fd]
+        return done
+
+
+#: Reply bytes to one peer between two probes (`ReplyQueues`).
+PROBE_BYTES: Final = 64 * 1024
+
+
+@dataclass(slots=True)
+class _Peer:
+    #: Bytes of replies sent to it, and how many of them libzmq let go of (as of
+    #: the last probe found done).
+    sent: int = 0
+    taken: int = 0
+    #: ``sent`` at the last probe, and the probes pending: (tracker, ``sent`` after it).
+    probed: int = 0
+    probes: collections.deque[tuple[zmq.MessageTracker, int]] = field(
+        default_factory=collections.deque
+    )
+
+
+class ReplyQueues:
+    """Bytes of replies libzmq still holds, per peer, measured by probes (request thread only).
+
+    A tracked send costs ~14 µs (zero-copy, and pyzmq's garbage thread told
+    when libzmq lets go), so not every reply is tracked: once per
+    `PROBE_BYTES` sent to a peer, one reply's last frame goes as a probe
+    (`sending` says which). Replies to one peer leave in order, so a probe
+    done means every byte before it was taken (written to the kernel, or
+    dropped with the connection); what is queued is known to within
+    `PROBE_BYTES`. `admits` says whether one more reply stays within
+    ``limit`` (a reply to a peer with nothing queued always does).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._peers: dict[bytes, _Peer] = {}
+        self._sends = 0
+
+    @staticmethod
+    def _settle(peer: _Peer) -> int:
+        probes = peer.probes
+        while probes and probes[0][0].done:
+            peer.taken = probes.popleft()[1]
+        return peer.sent - peer.taken
+
+    def admits(self, identity: bytes, size: int) -> bool:
+        """Does a reply of ``size`` bytes to ``identity`` fit under the limit now?"""
+        if self.limit <= 0:
+            return True
+        peer = self._peers.get(identity)
+        if peer is None:
+            return True
+        queued = self._settle(peer)
+        return queued == 0 or queued + size <= self.limit
+
+    def sending(self, identity: bytes, size: int) -> bool:
+        """Count a reply of ``size`` bytes to ``identity``; is it to go tracked (a probe)?"""
+        if self.limit <= 0:
+            return False
+        peer = self._peers.get(identity)
+        if peer is None:
+            peer = self._peers[identity] = _Peer()
+        peer.sent += size
+        self._sends += 1
+        if self._sends % 4096 == 0:
+            self._sweep()
+        return peer.sent - peer.probed >= PROBE_BYTES
+
+    def probe(self, identity: bytes, tracker: zmq.MessageTracker) -> None:
+        """The probe `sending` asked for went out, tracked by ``tracker``."""
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.probed = peer.sent
+            peer.probes.append((tracker, peer.sent))
+
+    def _sweep(self) -> None:
+        """Forget peers with no probe pending: at most `PROBE_BYTES` queued, or gone."""
+        for identity, peer in list(self._peers.items()):
+            self._settle(peer)
+            if not peer.probes:
+                del self._peers[identity]
+
+    def queued(self) -> int:
+        """Bytes queued to every peer, as last settled."""
+        return sum(p.sent - p.taken for p in list(self._peers.values()) if p.probes)
+
+    def peers(self) -> int:
+        """Peers with a probe pending (replies they have not taken yet)."""
+        return sum(1 for p in list(self._peers.values()) if p.probes)

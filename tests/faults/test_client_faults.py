@@ -179,7 +179,8 @@ def _curve(files: dict[str, Path]) -> list[str]:
 def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_its_blocks_stay_its_own(
     start_kvd, agents, curve_files
 ) -> None:
-    # tcp carries no peer credentials: no pid watch, the lease alone decides; the blocks of
+    # A tcp peer whose process is not found (here: tcp_pid_watch off; in life another host,
+    # or another user's process) has no pid watch: the lease alone decides, and the blocks of
     # the expired session stay quarantined for 10 leases, so the stale writer's late write
     # lands in blocks nobody else holds.
     tcp = f"tcp://127.0.0.1:{_free_port()}"
@@ -189,6 +190,7 @@ def test_a_stopped_tcp_client_past_its_lease_gets_session_lost_and_its_blocks_st
             "server.lease_ms": "300",
             "server.quarantine_leases": "10",
             "server.tcp_address": tcp,
+            "server.tcp_pid_watch": "false",
         }
     )
     stopped, other = agents(), agents()

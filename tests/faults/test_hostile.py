@@ -267,10 +267,6 @@ def test_a_msgpack_bomb_is_refused_within_the_decode_budget(
 # -- finding 4: an unfinished message grows memory without bound -----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #14 finding 4: libzmq buffers an unfinished multipart message without bound",
-)
 def test_an_unfinished_message_does_not_grow_the_daemon_without_bound(kvd_daemon: Any) -> None:
     pid = kvd_daemon.pid
     total, chunk = 1 << 30, bytes(MIB)
@@ -305,10 +301,6 @@ NON_READERS = 200
 REQUESTS_EACH = 40
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #14 finding 5: queued replies not bounded in bytes, no malloc_trim yet",
-)
 def test_clients_that_never_read_replies_leave_no_memory_behind(kvd_daemon: Any) -> None:
     pid = kvd_daemon.pid
     for _ in range(3):
@@ -340,9 +332,6 @@ def test_clients_that_never_read_replies_leave_no_memory_behind(kvd_daemon: Any)
 # -- finding 6: a paused TCP client can write into reused blocks -----------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue #14 finding 6: local tcp peers are not watched by pid yet"
-)
 def test_a_stopped_local_tcp_client_keeps_its_session_and_its_blocks(
     start_kvd: Any, request: pytest.FixtureRequest, curve_files: dict[str, Path]
 ) -> None:
@@ -388,3 +377,50 @@ def test_a_stopped_local_tcp_client_keeps_its_session_and_its_blocks(
     wait_for(lambda: len(sessions(daemon)) == 1, 2.0, "the killed tcp client's session closed")
     assert daemon.stats()["clients"]["closed"] == {"pid_exited": 1}
     assert daemon.check()["ok"] is True
+
+
+# -- the limits behind findings 4 and 5 -------------------------------------------------
+
+
+def test_a_peer_past_its_queued_reply_bytes_loses_its_session_not_the_others(
+    start_kvd: Any,
+) -> None:
+    daemon = start_kvd(overrides={"server.max_queued_reply_bytes": str(256 << 10)})
+    deaf = RawPeer(daemon.address)
+    try:
+        deaf.send_message(hello("deaf"))
+        stats = wire.StatsRequest(id=3).encode()  # a few KB each, never read
+        for _ in range(2000):
+            deaf.send_message(stats)
+        wait_for(
+            lambda: daemon.stats()["clients"]["closed"].get("replies_unread") == 1,
+            20.0,
+            "the non-reader's session closed",
+        )
+        transport = daemon.stats()["transport"]
+        assert transport["replies_dropped"] > 0, transport
+        assert answers_ping(daemon)  # everyone else is served meanwhile
+    finally:
+        deaf.close()
+
+
+def test_a_connection_that_sends_no_hello_is_shut_after_the_deadline(start_kvd: Any) -> None:
+    daemon = start_kvd(overrides={"server.hello_timeout_ms": "300"})
+    quiet, talker = RawPeer(daemon.address), RawPeer(daemon.address)
+    try:
+        talker.send_message(hello("talker"))
+        assert isinstance(reply_of(talker), wire.OkReply)
+        quiet.sock.settimeout(5.0)
+        t0 = time.monotonic()
+        assert quiet.sock.recv(1) == b""  # the daemon ended it
+        assert time.monotonic() - t0 < 3.0
+        wait_for(
+            lambda: daemon.stats()["transport"]["shut"].get("no_hello", 0) >= 1,
+            2.0,
+            "counted under no_hello",
+        )
+        talker.send_message(wire.HeartbeatRequest(id=2).encode())
+        assert isinstance(reply_of(talker), wire.OkReply)  # a session's connection stays
+    finally:
+        quiet.close()
+        talker.close()
