@@ -17,6 +17,8 @@ sides and only the daemon's scheduling differs:
   raises the probe's p99 several-fold over a pinging one (the scheduler's
   wake-up latency for the probe's, the daemon's and ZeroMQ's threads), so this
   anchor holds the CPU and the ratio is the daemon's share.
+- *batch*: one client sending a batch of 2,048 allocates (16 tokens each), then a
+  batch of their 2,048 frees, repeatedly; anchor: a pinging client.
 - *pipeline*: four clients each keeping ``--window`` pings in flight (a raw DEALER
   sending the encoded request again as each reply arrives); anchor: four clients
   pinging one at a time. Four pipelining neighbours must not raise the probe's
@@ -49,6 +51,8 @@ TARGET_PREFILL = 2.0
 #: Not the issue's number (it names none): "not much", read as the same goal.
 TARGET_PIPELINE = 2.0
 PROMPT_TOKENS = 65_536
+#: Operations in each of the batch neighbour's two batches (16-token allocates, frees).
+BATCH_OPS = 2048
 #: Room for two live 65,536-token prompts (4,096 blocks each) and the probes.
 POOL = {"num_blocks": 16_384, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8}
 
@@ -82,6 +86,7 @@ def load_main(
         # Prompts (and their keys) made before the clock, as a frontend hands them over.
         prompts = [rng.integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32) for _ in range(4)]
         keys = [kv.block_keys(p) for p in prompts]
+        small = [rng.integers(0, 50_000, 16, dtype=np.int32) for _ in range(64)]
         ready.put(mode)
         while not stop.is_set():
             i = ops % len(prompts)
@@ -90,6 +95,12 @@ def load_main(
                 kv.allocate("p", prompts[i], keys=keys[i]).free()
             elif mode == "prefill+hash":
                 kv.allocate("p", prompts[i]).free()  # the client hashes 4,096 keys
+            elif mode == "batch":  # one round trip of BATCH_OPS allocates, one of frees
+                with kv.batch() as b:
+                    made = [b.allocate(f"b{j}", small[j % 64]) for j in range(BATCH_OPS)]
+                with kv.batch() as b:
+                    for d in made:
+                        b.free(d.result())
             elif mode == "spin":  # CPU only, in 1 ms slices
                 t = time.perf_counter() + 0.001
                 while time.perf_counter() < t:
@@ -147,6 +158,7 @@ SCENARIOS: dict[str, tuple[list[str], list[str], float, str]] = {
     # name: (modes, anchor modes, target, anchor name)
     "prefill": (["prefill"], ["ping"], TARGET_PREFILL, "beside a pinging client"),
     "prefill+hash": (["prefill+hash"], ["hash"], TARGET_PREFILL, "beside a hashing client"),
+    "batch": (["batch"], ["ping"], TARGET_PREFILL, "beside a pinging client"),
     "pipeline": (["pipeline"] * 4, ["ping"] * 4, TARGET_PIPELINE, "beside 4 pinging clients"),
     "pipeline/cpu": (["pipeline"] * 4, ["spin"] * 4, TARGET_PIPELINE, "beside 4 spinning procs"),
 }
@@ -155,6 +167,7 @@ MODES: Final = {
     "prefill": "allocate + free a 65,536-token prompt with its keys",
     "prefill+hash": "the same, the client hashing the keys each time",
     "hash": "hash a 65,536-token prompt's keys, send nothing",
+    "batch": "a batch of 2,048 allocates of 16 tokens, then one of their frees",
     "ping": "kv.ping(), one at a time",
     "pipeline": "pings on a raw DEALER, --window in flight",
     "spin": "spin the CPU, send nothing",

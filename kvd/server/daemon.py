@@ -90,7 +90,7 @@ from kvd.config import Config, PoolConfig
 from kvd.errors import DaemonError, StartupError
 from kvd.memory import remove_stale_segments
 from kvd.server import transport
-from kvd.server.dispatch import Dispatcher
+from kvd.server.dispatch import BatchRun, Dispatcher
 from kvd.server.handshake import PendingHello
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
@@ -479,10 +479,32 @@ class Daemon:
         sock = self._sock
         dispatcher = self.dispatcher
         assert sock is not None and dispatcher is not None
-        handle = dispatcher.handle
+        handle = dispatcher.handle_sliced
         lock = self._lock
         outbox = self._outbox
         loop_id = self._loop_id
+        # Long batches being run a slice at a time, oldest first: one slice between
+        # any two messages, so no connection waits for another's whole batch.
+        runs: collections.deque[tuple[bytes, BatchRun]] = collections.deque()
+
+        def step(finish: bytes | None = None) -> None:
+            """The next slice of the oldest run; ``finish``: all of that peer's run."""
+            for _ in range(len(runs)):
+                peer_id, run = runs.popleft()
+                if finish is None or peer_id == finish:
+                    with lock:
+                        reply = run.step()
+                        while finish is not None and reply is None:
+                            reply = run.step()
+                    if reply is None:
+                        runs.append((peer_id, run))
+                    else:
+                        deliver(sock, peer_id, reply)
+                    if finish is None:
+                        return
+                else:
+                    runs.append((peer_id, run))
+
         # The Cython socket's own send and recv: zmq.Socket.send is a Python wrapper
         # around it, and Socket.get(RCVMORE) builds a SocketOption enum per call
         # (~1 µs); a received Frame carries its ``more`` flag.
@@ -501,11 +523,15 @@ class Daemon:
         srcfd = int(zmq.SRCFD)
         deliver = self._deliver
         while True:
+            if runs:
+                step()
             # Blocking: requests and the loop's wake-ups come through this one queue.
             try:
                 ident = frame = recv(sock, noblock, False)
             except zmq.Again:  # all that was queued is heard (the memory guard asks)
                 watch.drained = watch.tick
+                if runs:  # nothing else waits: the next slice
+                    continue
                 watch.waiting = True
                 ident = frame = recv(sock, 0, False)
                 watch.waiting = False
@@ -522,6 +548,9 @@ class Daemon:
             if not frames:  # a ROUTER always has a frame after the routing id; be safe
                 continue
             if identity == loop_id:
+                if frames[0] == b"stop":  # long batches are answered before stopping
+                    for peer_id, _ in list(runs):
+                        step(peer_id)
                 with lock:
                     if frames[0] == b"stop":
                         self._refuse_queued(sock, dispatcher)
@@ -554,8 +583,13 @@ class Daemon:
                                 self._tcp_hellos[0].send_nowait, waiting, token=token
                             )
                             continue
+            if runs:  # a peer's messages run in order: its own long batch first
+                step(identity)
             with lock:
                 reply = handle(identity, frames, peer, user_id)
+            if isinstance(reply, BatchRun):  # a long batch: its slices take turns with others
+                runs.append((identity, reply))
+                continue
             if not reply:  # a hello waits for its pool: the loop's task creates it
                 for job in dispatcher.take_pending():
                     anyio.from_thread.run_sync(self._pending[0].send_nowait, job, token=token)
