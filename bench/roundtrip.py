@@ -13,7 +13,7 @@ replies, captured from the daemon first: same frame count and sizes, no decoding
 no work. The ratio is what kvd adds on top of ZeroMQ itself.
 
 Rounds alternate between the four loops so that drift hits all alike; p50 and p99 are
-over all rounds. Targets: p50 <= 1.5x the bare pair, p99 <= 3x.
+over all rounds. Targets: p50 <= 1.5x the bare pair (allocate+free: 1.3x), p99 <= 3x.
 
 Run: ``.venv/bin/python -m bench.roundtrip [--n 2000] [--rounds 5] [--json]``.
 """
@@ -36,6 +36,8 @@ from bench._common import Figure, machine, percentile, print_table, run_daemon, 
 __all__ = ["capture", "main", "serve_bare"]
 
 TARGET_P50 = 1.5
+#: allocate+free p50 (issue #15); ping keeps TARGET_P50.
+TARGET_ALLOCATE_P50 = 1.3
 TARGET_P99 = 3.0
 TOKENS = np.arange(16, dtype=np.int32)
 #: Request ids as the client's will be mid-run (msgpack uint16: the same body size).
@@ -164,7 +166,8 @@ def main() -> None:
     figures = []
     for kind in ("ping", "allocate+free"):
         kvd, bare = samples[f"kvd {kind}"], samples[f"bare {kind}"]
-        for q, target in ((50, TARGET_P50), (99, TARGET_P99)):
+        p50 = TARGET_ALLOCATE_P50 if kind == "allocate+free" else TARGET_P50
+        for q, target in ((50, p50), (99, TARGET_P99)):
             figures.append(
                 Figure(
                     f"{kind} p{q}",

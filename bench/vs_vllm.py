@@ -25,7 +25,7 @@ process CPU time (the machine is shared; both replays are single threaded):
   release), so they must agree; see the note printed when they do not. Then kvd's
   default policy beside vLLM (target: at least as high).
 
-Targets: end to end >= 3x vLLM, manager only >= 1.5x vLLM.
+Targets: end to end >= 4x vLLM (issue #15), manager only >= 1.5x vLLM.
 
 Run (needs ``bench/setup-vllm-venv.sh``): ``.bench-venv/bin/python -m bench.vs_vllm
 [--requests N] [--repeat N] [--json]``.
@@ -45,7 +45,8 @@ from bench._common import Figure, machine, print_table, write_results
 
 __all__ = ["compare", "main"]
 
-TARGET_E2E = 3.0
+#: End to end (issue #15: 4x; it was 3x before).
+TARGET_E2E = 4.0
 TARGET_MANAGER = 1.5
 
 
