@@ -33,9 +33,10 @@ What no client may do (issue #14), watched from the loop (`_guard`, every
 ``server.hello_timeout_ms`` and, when the daemon's anonymous memory grew by
 ``server.memory_guard_bytes``, the connections that sent no complete
 message meanwhile (libzmq buffers an unfinished message without bound; see
-`transport.ConnectionWatch`). The request thread sends each reply's last
-frame tracked and stops at ``server.max_queued_reply_bytes`` for a peer that
-does not read (its replies dropped, its session closed). When no message
+`transport.ConnectionWatch`). The request thread sends one reply's last
+frame per 64 KiB to a peer tracked and stops at
+``server.max_queued_reply_bytes`` for a peer that does not read (its
+replies dropped, its session closed). When no message
 came for a maintenance period, freed heap goes back to the kernel
 (``malloc_trim``, in a worker thread). A hello on tcp first has its peer's
 pid found (a worker thread, `local_tcp_pid`), so a local tcp client is
@@ -112,7 +113,9 @@ log = structlog.get_logger("kvd.server")
 
 # Plain ints: pyzmq's flag enums cost an enum construction per operation.
 _NOBLOCK: Final = int(zmq.NOBLOCK)
-_SNDMORE: Final = int(zmq.SNDMORE)
+_NOBLOCK_SNDMORE: Final = _NOBLOCK | int(zmq.SNDMORE)
+# The Cython socket's own send: zmq.Socket.send is a Python wrapper around it.
+_send: Final = zmq.backend.Socket.send
 #: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
 _REFUSE_AT_EXIT = 10_000
 #: A body frame larger than this is handed to the decoder as a view, not copied.
@@ -522,23 +525,30 @@ class Daemon:
         heard, said_hello = watch.heard, watch.hello
         srcfd = int(zmq.SRCFD)
         deliver = self._deliver
+        copy_max = _COPY_BODY_MAX
         while True:
             if runs:
                 step()
-            # Blocking: requests and the loop's wake-ups come through this one queue.
-            try:
-                ident = frame = recv(sock, noblock, False)
-            except zmq.Again:  # all that was queued is heard (the memory guard asks)
-                watch.drained = watch.tick
-                if runs:  # nothing else waits: the next slice
-                    continue
-                watch.waiting = True
+            if runs or watch.asking:
+                # A look before blocking (a failed one costs ~6 µs, so only when it
+                # tells something): whether a slice is due, and for the memory guard
+                # that all that was queued is heard.
+                try:
+                    ident = frame = recv(sock, noblock, False)
+                except zmq.Again:
+                    watch.drained = watch.tick
+                    if runs:  # nothing else waits: the next slice
+                        continue
+                    watch.waiting = True
+                    ident = frame = recv(sock, 0, False)
+                    watch.waiting = False
+            else:
+                # Blocking: requests and the loop's wake-ups come through this one queue.
                 ident = frame = recv(sock, 0, False)
-                watch.waiting = False
             frames: list[bytes] = []
             while frame.more:
                 frame = recv(sock, 0, False)
-                if len(frames) == 1 and len(frame) > _COPY_BODY_MAX:
+                if len(frames) == 1 and len(frame) > copy_max:
                     # A large body is read in place (the decoder takes a view): a
                     # refused 32 MB bomb costs libzmq's buffer only, not a copy too.
                     frames.append(typing.cast(bytes, frame.buffer))
@@ -608,13 +618,12 @@ class Daemon:
             self._replies_dropped += 1
             self._close_unread(identity)
             return
-        send = zmq.backend.Socket.send
-        flags = _NOBLOCK | _SNDMORE
+        send = _send
         probe = replies.sending(identity, size)
         try:
-            send(sock, identity, flags)
+            send(sock, identity, _NOBLOCK_SNDMORE)
             for part in reply[:-1]:
-                send(sock, part, flags)
+                send(sock, part, _NOBLOCK_SNDMORE)
             if probe:  # zero-copy (the socket's copy_threshold is 0), tracked
                 replies.probe(identity, send(sock, reply[-1], _NOBLOCK, False, True))
             else:
@@ -656,6 +665,11 @@ class Daemon:
         """Queue a reply for the request thread (the loop never touches the socket)."""
         if self._wake is not None:
             self._outbox.append([identity, *frames])
+            self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the request thread (it sends what the outbox holds). Loop only."""
+        if self._wake is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._wake.send(b"", zmq.NOBLOCK)
 
@@ -744,6 +758,8 @@ class Daemon:
             # What libzmq holds for peers that do not read is bounded on its own.
             queued = self._replies.queued()
             if watch.memory(transport.anon_rss() - queued):
+                if not watch.waiting:  # it may be blocked since before it was asked to look
+                    self._nudge()
                 # Freed heap kept by the allocator is not a peer's: give it back first.
                 await anyio.to_thread.run_sync(transport.malloc_trim)
                 anon = transport.anon_rss() - queued

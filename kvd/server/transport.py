@@ -278,12 +278,13 @@ class ConnectionWatch:
 
     Fed by the monitor (`accepted`, `closed`, on the event loop) and by the
     request thread (``heard[fd] = watch.tick`` for every complete message,
-    `hello` for every hello, ``drained``/``waiting`` when its queue is empty:
-    plain stores, no lock). The monitor's events reach the loop late, when a
-    descriptor number may already be the next connection's: what the request
-    thread noted is kept unless nothing is at the number, and a hello is
-    noted with its socket's inode. `overdue`, and `memory` then `silent`,
-    say which connections to `shutdown`; ``shut`` counts them by reason.
+    `hello` for every hello, ``drained``/``waiting`` when its queue is empty,
+    looked for only while ``asking``: plain stores, no lock). The monitor's
+    events reach the loop late, when a descriptor number may already be the
+    next connection's: what the request thread noted is kept unless nothing
+    is at the number, and a hello is noted with its socket's inode.
+    `overdue`, and `memory` then `silent`, say which connections to
+    `shutdown`; ``shut`` counts them by reason.
     """
 
     def __init__(
@@ -306,6 +307,10 @@ class ConnectionWatch:
         #: now: every complete message that came before has been heard.
         self.drained = 0
         self.waiting = False
+        #: Memory is past the budget (`memory`): the request thread is to look
+        #: for an empty queue after each message (a failed non-blocking receive,
+        #: ~6 µs, paid only while the guard needs ``drained``/``waiting``).
+        self.asking = False
         self.shut: collections.Counter[str] = collections.Counter()
         self._open: dict[int, _Connection] = {}
         #: Lowest anonymous memory seen since the last re-arm, and the last tick
@@ -358,7 +363,7 @@ class ConnectionWatch:
         """Note the daemon's anonymous memory, ``anon`` bytes; is it past the budget?
 
         The budget counts from the lowest level seen (re-armed by `silent`).
-        Called every check: it also advances ``tick``.
+        Called every check: it also advances ``tick`` and sets ``asking``.
         """
         self.tick += 1
         budget = self.memory_budget
@@ -368,7 +373,8 @@ class ConnectionWatch:
             self._low = anon
         if anon <= self._low + budget // 2:
             self._calm = self.tick  # growth, if any, begins after this check
-        return anon > self._low + budget
+        self.asking = past = anon > self._low + budget
+        return past
 
     def silent(self, anon: int) -> list[int]:
         """Connections to shut down with memory still at ``anon`` after `memory` said past it.

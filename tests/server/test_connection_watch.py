@@ -147,3 +147,12 @@ def test_local_tcp_pid_finds_the_process_at_the_other_end() -> None:
 def test_own_memory_and_trim() -> None:
     assert anon_rss() > MIB
     assert malloc_trim() in (True, False)
+
+
+def test_the_request_thread_is_asked_to_look_for_an_empty_queue_only_past_the_budget() -> None:
+    watch = ConnectionWatch(hello_timeout_s=0, memory_budget=100 * MIB)
+    assert not watch.memory(500 * MIB) and not watch.asking
+    assert watch.memory(650 * MIB) and watch.asking  # drained/waiting matter now
+    watch.waiting = True  # the request thread looked: its queue is empty
+    assert watch.silent(650 * MIB) == []  # nobody to shut: re-armed at 650
+    assert not watch.memory(660 * MIB) and not watch.asking

@@ -98,6 +98,8 @@ _CLASS_KEEP: Final = _KEEP_BYTES.view(np.uint64).reshape(-1)
 # Tokens encoded per numpy pass (rounded to whole blocks): bounds the scratch
 # memory of a huge call to a few MiB.
 _CHUNK_TOKENS: Final = 65536
+#: Up to this many tokens, their bounds are taken from a list (a block or a few).
+_SHORT: Final = 64
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -171,7 +173,11 @@ def _token_array(
         return np.empty(0, dtype=np.int64), 0, 0
     if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
+    if arr.size <= _SHORT:  # numpy's min and max cost ~2 µs each on a few tokens
+        values = arr.tolist()
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(arr.min()), int(arr.max())
     if lo < 0:
         raise ValueError(f"token ids must be non-negative, got {lo}")
     if hi >= _TOKEN_LIMIT:
