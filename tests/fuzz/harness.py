@@ -165,6 +165,19 @@ class Target:
         )
         return deep_state(self.engine, skip=COUNTER_FIELDS), table, self.sessions._next_id
 
+    def _settle(self, who: bytes) -> None:
+        """Settle what ``who``'s previous reply left pending (`Engine._settle`).
+
+        Every call of a session releases its last reply's copy sources first,
+        whether it then succeeds or is refused: that change belongs to the
+        previous call, so the "rejected ones change nothing" rule is checked
+        from the settled state.
+        """
+        session = self.sessions.peek(who)
+        sess = None if session is None else self.engine._sessions.get(session.id)
+        if sess is not None and sess.pending:
+            self.engine._settle(sess)
+
     def victim_view(self) -> Any:
         """What the victim holds: its sequences' tables, lengths and commits, and its pins."""
         session = self.sessions.peek(VICTIM)
@@ -182,6 +195,7 @@ class Target:
 
     def send(self, frames: list[bytes], who: bytes = ATTACKER) -> wire.OkReply | wire.ErrorReply:
         """Dispatch ``frames`` from ``who`` and check every rule (FuzzFailure)."""
+        self._settle(who)
         before = self.snapshot()
         victim = self.victim_view()
         try:
