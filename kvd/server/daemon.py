@@ -28,19 +28,11 @@ thread: an ``anyio.wait_readable`` wake-up costs ~20 µs per request on
 this machine (asyncio's epoll callback, a future, a task step), more than
 the whole handling of a PING; see docs/architecture.md, "Request path".
 
-What no client may do (issue #14), watched from the loop (`_guard`, every
-10 ms): shut down connections that sent no hello within
-``server.hello_timeout_ms`` and, when the daemon's anonymous memory grew by
-``server.memory_guard_bytes``, the connections that sent no complete
-message meanwhile (libzmq buffers an unfinished message without bound; see
-`transport.ConnectionWatch`). The request thread sends one reply's last
-frame per 64 KiB to a peer tracked and stops at
-``server.max_queued_reply_bytes`` for a peer that does not read (its
-replies dropped, its session closed). When no message
-came for a maintenance period, freed heap goes back to the kernel
-(``malloc_trim``, in a worker thread). A hello on tcp first has its peer's
-pid found (a worker thread, `local_tcp_pid`), so a local tcp client is
-watched by pid as an ipc one is.
+What no client may do (issue #14): the loop runs `guard.guard_connections`;
+the request thread sends replies through `transport.ReplyQueues` (a peer
+that does not read loses them and its session); freed heap goes back to
+the kernel after a quiet period; a tcp hello first has its peer's pid found
+(`local_tcp_pid`, in a worker thread) so it is watched as an ipc peer is.
 
 SIGTERM/SIGINT start a graceful drain: requests that start new work
 (hello, allocate, fork, pin, flush) get SHUTTING_DOWN, running sequences
@@ -49,25 +41,17 @@ sequence is held or after ``server.drain_timeout_s``. A second signal
 stops at once. Either way the socket file and the shm segments are
 removed (runtime pools' included).
 
-SIGHUP re-reads the config file and applies what can change on a running
-daemon (log, admission quotas and thresholds, runtime-pool limits: see
-`Dispatcher.reload`), logging one ``reloaded`` line with what it applied,
-what needs a restart and what it refused. A file that does not load
-(``reload_failed``) changes nothing.
-
-Runtime pools: a HELLO with ``create`` for a pool that does not exist is
-checked by the pools' owner (`kvd.server.pools`) and handed here as a
-`PendingHello`; one task takes them in order, has the pools judge the
-memory that is there and the node budget and create and prefault the pool
-in a worker thread (one creation at a time, so a second hello for the same
-pool finds it made), then answers the hello as an attach, or with the
-refusal. The socket loop keeps serving meanwhile.
+SIGHUP applies a re-read config file (`kvd.server.reload`); a file that
+does not load changes nothing. Runtime pools (a hello with ``create``) are
+created one at a time in a worker thread by one task, in order, while the
+socket loop keeps serving; the hello is then answered as an attach.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -85,13 +69,13 @@ import structlog
 import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvd_client import wire
-from zmq.utils.monitor import recv_monitor_message
 
 from kvd.config import Config, PoolConfig
 from kvd.errors import DaemonError, StartupError
 from kvd.memory import remove_stale_segments
 from kvd.server import transport
 from kvd.server.dispatch import BatchRun, Dispatcher
+from kvd.server.guard import guard_connections
 from kvd.server.handshake import PendingHello
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
 from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
@@ -111,20 +95,12 @@ __all__ = ["Daemon"]
 
 log = structlog.get_logger("kvd.server")
 
-# Plain ints: pyzmq's flag enums cost an enum construction per operation.
+# A plain int: pyzmq's flag enums cost an enum construction per operation.
 _NOBLOCK: Final = int(zmq.NOBLOCK)
-_NOBLOCK_SNDMORE: Final = _NOBLOCK | int(zmq.SNDMORE)
-# The Cython socket's own send: zmq.Socket.send is a Python wrapper around it.
-_send: Final = zmq.backend.Socket.send
 #: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
 _REFUSE_AT_EXIT = 10_000
 #: A body frame larger than this is handed to the decoder as a view, not copied.
 _COPY_BODY_MAX: Final = 64 * 1024
-#: How often the loop checks connections and the daemon's memory (seconds): an
-#: unfinished message over ipc grows memory by ~1 GB/s, ~10 MB per check.
-_GUARD_INTERVAL: Final = 0.01
-#: Guard checks between two looks for connections past their hello deadline.
-_HELLO_CHECK_EVERY: Final = 50
 #: How often the loop moves engine events to the publisher's channels (seconds).
 _EVENTS_INTERVAL = 0.002
 
@@ -194,7 +170,6 @@ class Daemon:
         #: Reply bytes libzmq holds per peer (the request thread's).
         self._replies = transport.ReplyQueues(server.max_queued_reply_bytes)
         #: Replies dropped because their peer does not read (the request thread's).
-        self._replies_dropped = 0
         #: Messages the request thread took (the loop trims memory when it stands still).
         self._handled = 0
         #: tcp hellos waiting for their peer's pid: (identity, frames, user id, connection).
@@ -329,7 +304,9 @@ class Daemon:
                 self.dispatcher.info.sections["events"] = publisher.stats
             if self._zap is not None:
                 self.dispatcher.info.sections["security"] = self._zap.stats
-            self.dispatcher.info.sections["transport"] = self._transport_stats
+            self.dispatcher.info.sections["transport"] = functools.partial(
+                transport.transport_stats, self._watch, self._replies
+            )
             # The handlers go in before the socket is served: a signal sent as soon
             # as the daemon answers (or says READY=1) must never meet the default
             # action (SIGHUP's is to terminate).
@@ -370,7 +347,15 @@ class Daemon:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
-            tg.start_soon(self._guard)
+            assert self._monitor is not None
+            tg.start_soon(
+                guard_connections,
+                self._monitor,
+                self._watch,
+                self._replies,
+                self._nudge,
+                self.config.server.hello_timeout_ms,
+            )
             if self._zap is not None and self.config.server.tcp_pid_watch:
                 # A tcp endpoint: its hellos wait for their peer's pid.
                 tg.start_soon(self._tcp_hello_pids, self._tcp_hellos[1])
@@ -607,29 +592,10 @@ class Daemon:
             deliver(sock, identity, reply)
 
     def _deliver(self, sock: zmq.Socket[bytes], identity: bytes, reply: list[bytes]) -> None:
-        """Send ``reply`` to ``identity`` unless the peer holds too many unread bytes already.
-
-        Request thread only. Some replies go as probes (`transport.ReplyQueues`);
-        a peer past ``server.max_queued_reply_bytes`` loses this reply and its session.
-        """
-        size = sum(map(len, reply))
-        replies = self._replies
-        if not replies.admits(identity, size):
-            self._replies_dropped += 1
+        """Send ``reply`` (request thread only); a peer past
+        ``server.max_queued_reply_bytes`` loses it and its session."""
+        if not self._replies.send(sock, identity, reply):
             self._close_unread(identity)
-            return
-        send = _send
-        probe = replies.sending(identity, size)
-        try:
-            send(sock, identity, _NOBLOCK_SNDMORE)
-            for part in reply[:-1]:
-                send(sock, part, _NOBLOCK_SNDMORE)
-            if probe:  # zero-copy (the socket's copy_threshold is 0), tracked
-                replies.probe(identity, send(sock, reply[-1], _NOBLOCK, False, True))
-            else:
-                send(sock, reply[-1], _NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer's queue is full or it is gone: the reply is dropped
 
     def _close_unread(self, identity: bytes) -> None:
         """Close the session of a peer that does not read its replies (once)."""
@@ -738,51 +704,6 @@ class Daemon:
             for identity, frames in notices:
                 self._send(identity, frames)
 
-    async def _guard(self) -> None:
-        """Follow the ROUTER's connections; shut down the silent ones the limits name."""
-        monitor = self._monitor
-        assert monitor is not None
-        watch = self._watch
-        checks = 0
-        while True:
-            await anyio.sleep(_GUARD_INTERVAL)
-            while True:
-                try:
-                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if event["event"] == zmq.EVENT_ACCEPTED:
-                    watch.accepted(int(event["value"]))
-                else:
-                    watch.closed(int(event["value"]))
-            # What libzmq holds for peers that do not read is bounded on its own.
-            queued = self._replies.queued()
-            if watch.memory(transport.anon_rss() - queued):
-                if not watch.waiting:  # it may be blocked since before it was asked to look
-                    self._nudge()
-                # Freed heap kept by the allocator is not a peer's: give it back first.
-                await anyio.to_thread.run_sync(transport.malloc_trim)
-                anon = transport.anon_rss() - queued
-                silent = watch.silent(anon)
-            else:
-                silent = []
-            if silent:
-                shut = watch.shutdown(silent, "memory_guard")
-                log.warning(
-                    "memory_guard",
-                    anon_rss=anon,
-                    limit=watch.memory_budget,
-                    shut=shut,
-                    note="connections that sent no complete message while memory grew",
-                )
-                await anyio.to_thread.run_sync(transport.malloc_trim)
-            checks += 1
-            if checks % _HELLO_CHECK_EVERY == 0:
-                overdue = watch.overdue()
-                if overdue:
-                    shut = watch.shutdown(overdue, "no_hello")
-                    log.info("no_hello", shut=shut, timeout_ms=self.config.server.hello_timeout_ms)
-
     async def _tcp_hello_pids(self, jobs: MemoryObjectReceiveStream[_TcpHello]) -> None:
         """Find each tcp hello's peer pid (worker thread), then have the hello handled."""
         dispatcher = self.dispatcher
@@ -805,16 +726,6 @@ class Daemon:
                 self._pending[0].send_nowait(job)
             if reply:
                 self._send(identity, reply)
-
-    def _transport_stats(self) -> dict[str, Any]:
-        """The ``transport`` stats section: connections, shut ones, queued and dropped replies."""
-        return {
-            "connections": len(self._watch),
-            "shut": dict(sorted(self._watch.shut.items())),
-            "replies_queued_bytes": self._replies.queued(),
-            "replies_queued_peers": self._replies.peers(),
-            "replies_dropped": self._replies_dropped,
-        }
 
     async def _move_events(self) -> None:
         """Hand the engines' events to their channels (the publisher is the loop's)."""

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgpack
 import structlog
@@ -86,12 +86,18 @@ __all__ = [
     "malloc_trim",
     "probe_daemon",
     "shutdown",
+    "transport_stats",
 ]
 
 #: Per-frame limit given to libzmq; the protocol's limit (and TOO_LARGE) applies below it.
 MAXMSGSIZE: Final = wire.MAX_MESSAGE_BYTES + 64 * 1024
 #: Umask while binding: the socket file is created at most 0660 (chmod sets the mode after).
 _BIND_UMASK: Final = 0o117
+# Plain ints: pyzmq's flag enums cost an enum construction per operation.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_NOBLOCK_SNDMORE: Final = _NOBLOCK | int(zmq.SNDMORE)
+#: The Cython socket's own send (zmq.Socket.send is a Python wrapper around it).
+_send: Final = zmq.backend.Socket.send
 
 log = structlog.get_logger("kvd.server")
 
@@ -448,6 +454,8 @@ class ReplyQueues:
         self.limit = limit
         self._peers: dict[bytes, _Peer] = {}
         self._sends = 0
+        #: Replies not sent because their peer was past the limit.
+        self.dropped = 0
 
     @staticmethod
     def _settle(peer: _Peer) -> int:
@@ -486,6 +494,31 @@ class ReplyQueues:
             peer.probed = peer.sent
             peer.probes.append((tracker, peer.sent))
 
+    def send(self, sock: zmq.Socket[bytes], identity: bytes, reply: list[bytes]) -> bool:
+        """Send ``reply`` to ``identity`` on the ROUTER ``sock`` (non-blocking),
+        as a probe when due; False (nothing sent) when the peer is past the limit.
+
+        A peer whose queue is full or that is gone loses the reply silently:
+        libzmq drops it, as it would any reply to a closed connection.
+        """
+        size = sum(map(len, reply))
+        if not self.admits(identity, size):
+            self.dropped += 1
+            return False
+        send = _send
+        probe = self.sending(identity, size)
+        try:
+            send(sock, identity, _NOBLOCK_SNDMORE)
+            for part in reply[:-1]:
+                send(sock, part, _NOBLOCK_SNDMORE)
+            if probe:  # zero-copy (the socket's copy_threshold is 0), tracked
+                self.probe(identity, send(sock, reply[-1], _NOBLOCK, False, True))
+            else:
+                send(sock, reply[-1], _NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        return True
+
     def _sweep(self) -> None:
         """Forget peers with no probe pending: at most `PROBE_BYTES` queued, or gone."""
         for identity, peer in list(self._peers.items()):
@@ -500,3 +533,14 @@ class ReplyQueues:
     def peers(self) -> int:
         """Peers with a probe pending (replies they have not taken yet)."""
         return sum(1 for p in list(self._peers.values()) if p.probes)
+
+
+def transport_stats(watch: ConnectionWatch, replies: ReplyQueues) -> dict[str, Any]:
+    """The ``transport`` stats section: connections, shut ones, queued and dropped replies."""
+    return {
+        "connections": len(watch),
+        "shut": dict(sorted(watch.shut.items())),
+        "replies_queued_bytes": replies.queued(),
+        "replies_queued_peers": replies.peers(),
+        "replies_dropped": replies.dropped,
+    }
