@@ -33,20 +33,17 @@ threads, an `AsyncClient` by tasks. Not fork-safe: connect after forking.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from collections.abc import Sequence as PySequence
-from types import MethodType, TracebackType
+from types import TracebackType
 from typing import (
     TYPE_CHECKING,
     Any,
     ClassVar,
-    Concatenate,
-    Generic,
     ParamSpec,
     Self,
     TypeVar,
     Unpack,
-    overload,
 )
 
 import anyio
@@ -56,6 +53,7 @@ import numpy.typing as npt
 from kvd_client.connect import Connection, ConnectOptions
 from kvd_client.core import Admission, ClientSession, Deferred, Op, PinState, SeqState
 from kvd_client.errors import InvalidRequest, KvdError
+from kvd_client.operation import Bound, operation
 from kvd_client.pool import PoolMapping
 from kvd_client.transport import AsyncTransport, BlockingTransport
 from kvd_client.wire import (
@@ -93,42 +91,6 @@ else:
 CL = TypeVar("CL", bound="ClientBase[Any]")
 
 
-class _Bound(Generic[C]):
-    """An object whose operations run on the driver of client ``C``."""
-
-    __slots__ = ()
-
-    def _run(self, op: Op[Any]) -> Any:
-        raise NotImplementedError
-
-
-class operation(Generic[P, T]):
-    """Expose a core generator as a method: blocking on a Client, awaitable on an AsyncClient."""
-
-    def __init__(self, fn: Callable[Concatenate[Any, P], Op[T]]) -> None:
-        self.fn = fn
-        self.__doc__ = fn.__doc__
-
-        def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            return obj._run(fn(obj, *args, **kwargs))
-
-        call.__name__ = call.__qualname__ = fn.__name__
-        call.__doc__ = fn.__doc__
-        # Bound per access as a method object (one C allocation; its __doc__ is call's).
-        self._call = call
-
-    @overload
-    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
-    @overload
-    def __get__(self, obj: _Bound[Client], owner: type[Any]) -> Callable[P, T]: ...
-    @overload
-    def __get__(self, obj: _Bound[AsyncClient], owner: type[Any]) -> Callable[P, Awaitable[T]]: ...
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        return MethodType(self._call, obj)
-
-
 def _sequence(client: CL, op: Op[SeqState]) -> Op[Sequence[CL]]:
     return Sequence(client, (yield from op))
 
@@ -150,7 +112,7 @@ def _attached(session: ClientSession, op: Op[T]) -> Op[T]:
     return (yield from op)
 
 
-class Sequence(_Bound[C]):
+class Sequence(Bound[C]):
     """A request's tokens and block table, held by the client's session.
 
     ``block_table`` is a read-only int32 array of block ids, token ``i``
@@ -254,7 +216,7 @@ class Sequence(_Bound[C]):
         return _pin(self._client, self._state.pin(n))
 
 
-class Pin(_Bound[C]):
+class Pin(Bound[C]):
     """A pinned prefix; counts against the session's quota until `unpin`."""
 
     __slots__ = ("_client", "_state")
@@ -283,7 +245,7 @@ class Pin(_Bound[C]):
         return self._state.unpin()
 
 
-class Batch(_Bound[C]):
+class Batch(Bound[C]):
     """Operations of one scheduler step, sent in one round trip.
 
     Each method queues an operation (checking its arguments now; token ids
@@ -416,7 +378,7 @@ class Batch(_Bound[C]):
             await self._run(self._send())
 
 
-class ClientBase(_Bound[C]):
+class ClientBase(Bound[C]):
     """Everything both clients share: state, properties and the operation list."""
 
     IS_ASYNC: ClassVar[bool]
