@@ -101,8 +101,8 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)
 _REFUSE_AT_EXIT = 10_000
 #: A body frame larger than this is handed to the decoder as a view, not copied.
 _COPY_BODY_MAX: Final = 64 * 1024
-#: How often the loop moves engine events to the publisher's channels (seconds).
-_EVENTS_INTERVAL = 0.002
+#: Engine events move to the channels every 2 ms while they flow, up to 64 ms apart idle.
+_EVENTS_INTERVAL, _EVENTS_IDLE = 0.002, 0.064
 
 
 #: A tcp hello waiting for its peer's pid: identity, frames, CURVE user id, connection (a dup).
@@ -729,12 +729,13 @@ class Daemon:
 
     async def _move_events(self) -> None:
         """Hand the engines' events to their channels (the publisher is the loop's)."""
-        events = self._events
+        events, delay = self._events, _EVENTS_INTERVAL
         while True:
+            delay = _EVENTS_INTERVAL if events else min(2 * delay, _EVENTS_IDLE)
             while events:
                 pool, batch = events.popleft()
                 self._channels[pool].extend(batch)
-            await anyio.sleep(_EVENTS_INTERVAL)
+            await anyio.sleep(delay)
 
     async def _watchdog(self, notifier: Notifier, interval: float) -> None:
         while True:

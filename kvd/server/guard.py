@@ -1,7 +1,9 @@
 """What no client may do to the daemon's memory and descriptors (issue #14).
 
-`guard_connections` runs on the event loop every `GUARD_INTERVAL`: it
-follows the ROUTER's connections through its monitor socket, shuts down
+`guard_connections` runs on the event loop, as often as memory could reach
+the budget (`next_check`: every `GUARD_INTERVAL` near it, ~16 times a
+second when idle, so an idle daemon does not steal the cores of the
+inference processes beside it): it follows the ROUTER's connections through its monitor socket, shuts down
 those that sent no hello within ``server.hello_timeout_ms`` and, when the
 daemon's anonymous memory (less what queued replies hold) grew by
 ``server.memory_guard_bytes``, those that sent no complete message
@@ -21,15 +23,32 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvd.server import transport
 
-__all__ = ["GUARD_INTERVAL", "guard_connections"]
+__all__ = ["GUARD_INTERVAL", "guard_connections", "next_check"]
 
 log = structlog.get_logger("kvd.server")
 
-#: How often the loop checks connections and the daemon's memory (seconds): an
-#: unfinished message over ipc grows memory by ~1 GB/s, ~10 MB per check.
+#: The shortest time between two checks of connections and memory (seconds).
 GUARD_INTERVAL: Final = 0.01
-#: Guard checks between two looks for connections past their hello deadline.
-_HELLO_CHECK_EVERY: Final = 50
+#: The longest (seconds): also how late an accept or close is followed.
+GUARD_IDLE: Final = 0.25
+#: The fastest a peer can grow the daemon's memory (bytes/s): an unfinished
+#: message over ipc grows it by ~1 GB/s here; twice that, for a faster machine.
+MAX_GROWTH: Final = 2 << 30
+#: Seconds between two looks for connections past their hello deadline.
+_HELLO_CHECK_S: Final = 0.5
+
+
+def next_check(headroom: int | None) -> float:
+    """Seconds until the next check, ``headroom`` bytes below the memory budget.
+
+    The time memory needs to grow by ``headroom`` at `MAX_GROWTH`, within
+    [`GUARD_INTERVAL`, `GUARD_IDLE`] (None: no budget, `GUARD_IDLE`): checks
+    come often only when memory nears the budget, so the budget holds as with
+    a fixed 10 ms while an idle daemon wakes ~16 times a second, not 100.
+    """
+    if headroom is None:
+        return GUARD_IDLE
+    return min(max(headroom / MAX_GROWTH, GUARD_INTERVAL), GUARD_IDLE)
 
 
 def _follow(monitor: zmq.Socket[bytes], watch: transport.ConnectionWatch) -> None:
@@ -57,14 +76,17 @@ async def guard_connections(
     ``wake`` has the request thread look at its queue (it may be blocked in a
     receive since before the memory guard asked it to).
     """
-    checks = 0
+    delay, hellos_due = GUARD_INTERVAL, anyio.current_time() + _HELLO_CHECK_S
     while True:
-        await anyio.sleep(GUARD_INTERVAL)
+        await anyio.sleep(delay)
         _follow(monitor, watch)
         # What libzmq holds for peers that do not read is bounded on its own.
         queued = replies.queued()
         silent: list[int] = []
-        if watch.memory(transport.anon_rss() - queued):
+        anon = transport.anon_rss() - queued
+        past = watch.memory(anon)
+        delay = next_check(watch.headroom(anon))
+        if past:
             if not watch.waiting:
                 wake()
             # Freed heap kept by the allocator is not a peer's: give it back first.
@@ -81,8 +103,8 @@ async def guard_connections(
                 note="connections that sent no complete message while memory grew",
             )
             await anyio.to_thread.run_sync(transport.malloc_trim)
-        checks += 1
-        if checks % _HELLO_CHECK_EVERY == 0:
+        if anyio.current_time() >= hellos_due:
+            hellos_due = anyio.current_time() + _HELLO_CHECK_S
             overdue = watch.overdue()
             if overdue:
                 shut = watch.shutdown(overdue, "no_hello")

@@ -382,6 +382,13 @@ class ConnectionWatch:
         self.asking = past = anon > self._low + budget
         return past
 
+    def headroom(self, anon: int) -> int | None:
+        """Bytes ``anon`` may grow before `memory` says past the budget (None: no budget)."""
+        if self.memory_budget <= 0:
+            return None
+        low = anon if self._low is None else min(self._low, anon)
+        return low + self.memory_budget - anon
+
     def silent(self, anon: int) -> list[int]:
         """Connections to shut down with memory still at ``anon`` after `memory` said past it.
 

@@ -156,3 +156,15 @@ def test_the_request_thread_is_asked_to_look_for_an_empty_queue_only_past_the_bu
     watch.waiting = True  # the request thread looked: its queue is empty
     assert watch.silent(650 * MIB) == []  # nobody to shut: re-armed at 650
     assert not watch.memory(660 * MIB) and not watch.asking
+
+
+def test_headroom_is_what_memory_may_grow_before_the_budget() -> None:
+    watch = ConnectionWatch(hello_timeout_s=0, memory_budget=100 * MIB)
+    watch.memory(1000 * MIB)
+    assert watch.headroom(1000 * MIB) == 100 * MIB
+    assert watch.headroom(1060 * MIB) == 40 * MIB
+    assert watch.headroom(1200 * MIB) == -100 * MIB
+
+
+def test_no_budget_has_no_headroom() -> None:
+    assert ConnectionWatch(hello_timeout_s=0, memory_budget=0).headroom(MIB) is None
