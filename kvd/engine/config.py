@@ -27,7 +27,8 @@ class EngineConfig:
     sequences: new allocations and forks may not dip into them, appends may.
     ``events`` turns the event list off when nobody drains it.
     ``eviction`` picks which cached block goes when the pool is full (one
-    of `EVICTION_POLICIES`).
+    of `EVICTION_POLICIES`). ``tier_blocks``: slots of the pool's tier 1
+    (`kvd.engine.tier`; 0: no tier).
     """
 
     num_blocks: int
@@ -36,6 +37,7 @@ class EngineConfig:
     watermark_blocks: int = 0
     events: bool = True
     eviction: str = "frequency"
+    tier_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
@@ -50,6 +52,8 @@ class EngineConfig:
             )
         if not isinstance(self.events, bool):
             raise InvalidError(f"events must be a bool, got {type(self.events).__name__}")
+        if not _is_int(self.tier_blocks) or self.tier_blocks < 0:
+            raise InvalidError(f"tier_blocks must be an int >= 0, got {self.tier_blocks!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidError(
                 f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}"

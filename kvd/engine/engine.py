@@ -12,7 +12,7 @@ from kvd.engine.accounts import Accounts, SessionAccount
 from kvd.engine.block import Block
 from kvd.engine.checks import TokensLike, as_tokens, count, sequence_id
 from kvd.engine.config import EngineConfig
-from kvd.engine.errors import ExistsError, InvalidError, NotFoundError
+from kvd.engine.errors import ExistsError, InvalidError, InvariantError, NotFoundError
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvd.engine.frequency import FrequencyPool
 from kvd.engine.holds import HoldTable, keys_of
@@ -31,6 +31,7 @@ from kvd.engine.results import (
 )
 from kvd.engine.sequence import SequenceState
 from kvd.engine.stats import EngineStats, NamespaceStats
+from kvd.engine.tier import Promotion, Tier
 
 __all__ = ["Engine"]
 
@@ -78,6 +79,21 @@ class Engine:
             config.block_size,
             self._queue_event if config.events else None,
         )
+        #: Tier 1's metadata (None: no tier); the server copies the bytes.
+        self.tier = (
+            Tier(
+                config.tier_blocks,
+                self._accounts,
+                self._holds,
+                config.block_size,
+                self._queue_event if config.events else None,
+            )
+            if config.tier_blocks
+            else None
+        )
+        if self.tier is not None:
+            self._holds.on_evict = self.tier.void
+            self._holds.on_stored = self.tier.note
         self._pin_ids = itertools.count(1)
         #: Pinned block -> its pins (few blocks are pinned: no slot on every block).
         self._pins: dict[Block, int] = {}
@@ -239,6 +255,8 @@ class Engine:
             if self._emit:
                 self._events.append(BlockRemoved(removed))
             self._accounts.forget_emptied()
+            if self.tier is not None:
+                self.tier.void(table[num_hits:])
         buf = np.empty(max(target + bs, 64), dtype=np.int32)
         buf[:length] = arr
         seq = SequenceState(
@@ -310,11 +328,14 @@ class Engine:
                 block.index = index
             self._pool.publish(blocks)
             self._stored(sess, seq, start, full)
-            return Committed(n, full - start)
-        stored, runs = index.insert(blocks, new_keys, start)
-        for run in runs:
-            self._stored(sess, seq, *run)
-        self._pool.publish(stored)
+            stored = blocks
+        else:
+            stored, runs = index.insert(blocks, new_keys, start)
+            for run in runs:
+                self._stored(sess, seq, *run)
+            self._pool.publish(stored)
+        if self.tier is not None:
+            self.tier.note(stored)
         return Committed(n, len(stored))
 
     def _stored(self, sess: SessionAccount, seq: SequenceState, start: int, end: int) -> None:
@@ -395,6 +416,8 @@ class Engine:
             if self._emit:
                 self._events.append(BlockRemoved(removed))
             self._accounts.forget_emptied()
+            if self.tier is not None:
+                self.tier.void(taken)
         if cow:
             src = table[-1]
             dst = taken[0]
@@ -625,12 +648,60 @@ class Engine:
             ns.index.clear()
             ns.epoch += 1
             self._accounts.forget_if_unused(ns)
+        tier_removed = self._flush_tier(namespace)
         if self._emit:
             if namespace is None:
                 self._events.append(AllBlocksCleared())
             elif removed:
                 self._events.append(BlockRemoved(removed))
+            if tier_removed:
+                self._events.append(BlockRemoved(tier_removed, tier=1))
         return len(removed)
+
+    def _flush_tier(self, namespace: str | None) -> list[bytes]:
+        """Drop tier 1's copies of ``namespace`` (all when None); the keys dropped
+        (none for a flush of all: AllBlocksCleared says it for every tier)."""
+        tier = self.tier
+        if tier is None:
+            return []
+        keys = tier.removed_keys(namespace) if namespace is not None else []
+        tier.flush(namespace)
+        return keys
+
+    # ------------------------------------------------------------------
+    # Tier 1 (`kvd.engine.tier`)
+
+    def promote(
+        self, sid: int, seq_id: str, tokens: TokensLike, keys: list[bytes] | None = None
+    ) -> Promotion | None:
+        """Tier 1's continuation of the prefix an allocate of ``seq_id`` for
+        ``tokens`` would match, held for copying into the pool before that
+        allocate runs; None (nothing changed) when there is no tier, no
+        continuation, the pool cannot take it or the allocate would fail
+        (a sequence that exists, keys that do not fit the tokens)."""
+        tier = self.tier
+        sess = self._accounts.find(sid)
+        if tier is None or not isinstance(seq_id, str) or seq_id in sess.seqs:
+            return None
+        arr = as_tokens(tokens)
+        length = arr.shape[0]
+        bs = self.block_size
+        cap = (length - 1) // bs if length else 0
+        ns = sess.namespace
+        if keys is None:
+            keys = (
+                self._hasher.keys(arr[: cap * bs], None, namespace=ns.name, adapter=sess.adapter)
+                if cap
+                else []
+            )
+        elif len(keys_of(keys, "keys")) != length // bs:
+            return None
+        keys = keys[:cap]
+        hits = ns.index.match(keys)
+        entries = tier.continuation(ns.name, keys, len(hits))
+        if not entries:
+            return None
+        return tier.promote(sess, hits, entries, keys, arr)
 
     def _queue_event(self, event: Event) -> None:
         self._events.append(event)
@@ -677,9 +748,15 @@ class Engine:
                 for name, ns in self._accounts.namespaces.items()
             },
             session_usage={sid: s.usage for sid, s in self._sessions.items()},
+            tier=self.tier.snapshot() if self.tier is not None else None,
         )
 
     def check_invariants(self) -> None:
         """Recompute every derived quantity from scratch and compare; raise
         `InvariantError` listing every problem found (see `kvd.engine.invariants`)."""
         check_invariants(self._pool, self._accounts, self._pins, self._holds.holds, self.block_size)
+        if self.tier is not None:
+            problems: list[str] = []
+            self.tier.check(problems)
+            if problems:
+                raise InvariantError(problems)

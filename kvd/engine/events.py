@@ -20,10 +20,11 @@ class BlockStored:
     ``keys[0]`` chains from ``parent`` (None for a sequence's first block);
     ``token_ids`` are the ``len(keys) * block_size`` token ids of those
     blocks (kept as an int32 array until read, so building the event costs
-    no per-token objects).
+    no per-token objects). ``tier`` 1: the blocks were copied into tier 1
+    (`kvd.engine.tier`; no chain, no token ids), 0: cached in the pool.
     """
 
-    __slots__ = ("_tokens", "adapter", "block_size", "keys", "namespace", "parent")
+    __slots__ = ("_tokens", "adapter", "block_size", "keys", "namespace", "parent", "tier")
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class BlockStored:
         block_size: int,
         namespace: str,
         adapter: str | None,
+        tier: int = 0,
     ) -> None:
         self.keys = keys
         self.parent = parent
@@ -41,6 +43,7 @@ class BlockStored:
         self.block_size = block_size
         self.namespace = namespace
         self.adapter = adapter
+        self.tier = tier
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,6 +61,7 @@ class BlockStored:
             and self.block_size == other.block_size
             and self.namespace == other.namespace
             and self.adapter == other.adapter
+            and self.tier == other.tier
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -71,17 +75,19 @@ class BlockStored:
 
 
 class BlockRemoved:
-    """Blocks left the prefix cache (evicted or flushed), in one pass."""
+    """Blocks left the prefix cache (evicted or flushed), in one pass; ``tier`` 1:
+    their copies left tier 1, 0: the pool."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "tier")
 
-    def __init__(self, keys: list[bytes]) -> None:
+    def __init__(self, keys: list[bytes], tier: int = 0) -> None:
         self.keys = keys
+        self.tier = tier
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BlockRemoved):
             return NotImplemented
-        return self.keys == other.keys
+        return self.keys == other.keys and self.tier == other.tier
 
     __hash__ = None  # type: ignore[assignment]
 

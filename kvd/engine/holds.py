@@ -68,6 +68,10 @@ class HoldTable:
         self._block_size = block_size
         self._emit = events
         self.holds: dict[int, HoldState] = {}
+        #: Told the blocks an eviction hands out (tier 1 voids their copies in flight).
+        self.on_evict: Callable[[list[Block]], None] | None = None
+        #: Told the blocks a publish caches (tier 1 copies them).
+        self.on_stored: Callable[[Sequence[Block]], None] | None = None
 
     def _new(self, owner: SessionAccount, blocks: list[Block], granted: bool) -> HoldState:
         hold_id = secrets.randbits(63)
@@ -106,14 +110,40 @@ class HoldTable:
         refusal = self._accounts.admit(sess, n, n, True)
         if refusal is not None:
             return refusal
+        blocks = self._take(n)
+        made = self._new(sess, blocks, granted=True)
+        return Granted(made.hold_id, [b.block_id for b in blocks])
+
+    def _take(self, n: int) -> list[Block]:
+        """``n`` fresh blocks from the pool (admitted already), evictions told."""
         removed: list[bytes] = []
         blocks = self._pool.take(n, removed)
         if removed:
             if self._emit is not None:
                 self._emit(BlockRemoved(removed))
             self._accounts.forget_emptied()
-        made = self._new(sess, blocks, granted=True)
-        return Granted(made.hold_id, [b.block_id for b in blocks])
+            if self.on_evict is not None:
+                self.on_evict(blocks)
+        return blocks
+
+    def hold_fresh(
+        self, sess: SessionAccount, hits: list[Block], n: int
+    ) -> tuple[int, list[int]] | None:
+        """One hold of ``sess`` on cached ``hits`` and ``n`` fresh blocks to
+        write (the ids of those); None, nothing changed, when it cannot be
+        admitted. Neither a query nor a refusal is counted: the allocate that
+        asked counts its own. ``sess`` has no quota of its own (a tier session)."""
+        idle = [b.ref for b in hits].count(0)
+        headroom = sess.namespace.headroom()
+        if (headroom is not None and headroom < len(hits) + n) or self._accounts.available(
+            sess, True
+        ) < idle + n:
+            return None
+        self._pool.match(hits)
+        fresh = self._take(n)
+        made = self._new(sess, hits + fresh, granted=False)
+        made.granted.update(b.block_id for b in fresh)
+        return made.hold_id, [b.block_id for b in fresh]
 
     def find(self, sess: SessionAccount, hold_id: object) -> HoldState | None:
         """The hold ``hold_id`` if it exists in the session's namespace."""
@@ -177,6 +207,8 @@ class HoldTable:
         for run in runs:
             self._stored(hold, keys, tokens, parent, run)
         self._pool.publish(stored)
+        if self.on_stored is not None:
+            self.on_stored(stored)
         return len(stored)
 
     def _stored(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvd.engine.tier import TierStats
+
 __all__ = ["EngineStats", "NamespaceStats"]
 
 
@@ -52,6 +54,8 @@ class EngineStats:
     refusals: dict[str, int] = field(default_factory=dict)
     namespaces: dict[str, NamespaceStats] = field(default_factory=dict)
     session_usage: dict[int, int] = field(default_factory=dict)
+    #: Tier 1's counters (None: the pool has no tier).
+    tier: TierStats | None = None
 
     @property
     def hit_ratio(self) -> float:

@@ -53,11 +53,19 @@ prompts = st.tuples(
 class EngineMachine(RuleBasedStateMachine):
     #: The engine's eviction policy (the default; `LruEngineMachine` runs "lru").
     eviction = "frequency"
+    #: Tier 1's slots (`TierEngineMachine` has some).
+    tier_blocks = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.eng = Engine(
-            EngineConfig(num_blocks=12, block_size=BS, watermark_blocks=1, eviction=self.eviction)
+            EngineConfig(
+                num_blocks=12,
+                block_size=BS,
+                watermark_blocks=1,
+                eviction=self.eviction,
+                tier_blocks=self.tier_blocks,
+            )
         )
         self.eng.set_namespace_limits("t", quota=10, minimum=2)
         for sid, ns, adapter, quota in SESSIONS:
@@ -140,8 +148,13 @@ class EngineMachine(RuleBasedStateMachine):
         self, sid: int, prompt: tuple[list[int], list[int]], extra: int | None, commit: bool
     ) -> None:
         tokens = prompt[0] + prompt[1]
-        seq = self.new_id()
         reserve = None if extra is None else len(tokens) + extra
+        self.allocate_as(sid, self.new_id(), tokens, reserve, commit)
+
+    def allocate_as(
+        self, sid: int, seq: str, tokens: list[int], reserve: int | None, commit: bool
+    ) -> None:
+        """Allocate ``seq`` for ``tokens`` and check what comes back."""
         before = self.settled_snapshot(sid)
         r = self.eng.allocate(sid, seq, np.array(tokens, dtype=np.int32), reserve=reserve)
         if self.refused_cleanly(before, r):

@@ -1,0 +1,391 @@
+"""Tier 1: which committed blocks also have a copy in the pool's host-memory tier.
+
+Metadata only, like the rest of the engine: tier slots, the (namespace,
+key) index of the copies and their LRU order. The bytes are copied by the
+server (`kvd.server.tiers`) in worker threads; the engine says what to copy
+and records what was copied.
+
+Demotion (pool -> tier) is a copy made *ahead* of eviction: every block
+that becomes cached (commit, publish) is noted, `demotions` hands out
+(pool block, tier slot) pairs, and `demoted` records those whose copy
+finished. A copy counts only if its block was not taken by an allocation
+while it ran (`void` is called on every eviction, under the engine's lock,
+before the taker's reply can let anyone write) and its namespace was not
+flushed: the pool slot an eviction frees is reused at once, so waiting for
+the eviction to copy would be too late. A cached block is immutable (writes
+into shared or cached blocks copy first), so the copy can read it while it
+is in use.
+
+Promotion (tier -> pool) is asked by an allocate whose prefix continues
+into the tier: `promote` holds the pool's part of the prefix and fresh
+blocks for the tier's part under a hold of the namespace's tier session
+(an engine session of its own, so a client that leaves mid-copy cannot
+free blocks a copy still writes), and pins the tier entries; the server
+copies, then `promoted` publishes the fresh blocks under their keys and
+lets the hold go, and the allocate runs (all of its prefix now a pool hit).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.engine.accounts import Accounts, SessionAccount
+from kvd.engine.block import Block
+from kvd.engine.events import BlockRemoved, BlockStored, Event
+from kvd.engine.holds import HoldTable
+from kvd.engine.prefix_index import PrefixIndex
+
+__all__ = ["Demotion", "Promotion", "Tier", "TierEntry", "TierStats"]
+
+#: Where a tier's entries are named: (namespace, key).
+_Name = tuple[str, bytes]
+_NO_TOKENS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
+
+
+class TierEntry:
+    """One tier slot holding a copy of the block cached under ``key`` in ``namespace``.
+
+    ``ref`` counts promotions reading it (it is not evicted meanwhile);
+    ``dead``: flushed while read, its slot goes back when the last reader is done."""
+
+    __slots__ = ("dead", "key", "namespace", "ref", "slot")
+
+    def __init__(self, slot: int, namespace: str, key: bytes) -> None:
+        self.slot = slot
+        self.namespace = namespace
+        self.key = key
+        self.ref = 0
+        self.dead = False
+
+
+class Demotion:
+    """A copy of pool block ``block_id`` into tier slot ``slot``, in flight."""
+
+    __slots__ = ("block", "block_id", "epoch", "key", "namespace", "slot", "void")
+
+    def __init__(self, block: Block, slot: int, namespace: str, epoch: int) -> None:
+        self.block = block
+        self.block_id = block.block_id
+        self.key: bytes = block.key  # type: ignore[assignment]  # noted blocks are keyed
+        self.namespace = namespace
+        self.epoch = epoch
+        self.slot = slot
+        #: The block was taken by an allocation before the copy was recorded.
+        self.void = False
+
+
+class Promotion:
+    """Tier slots to copy into fresh pool blocks (``pairs``: (slot, block id)), in flight.
+
+    ``keys`` are the promoted blocks' keys, ``parent`` the key before the
+    first, ``tokens`` their token ids (for the stored event)."""
+
+    __slots__ = ("entries", "hold_id", "keys", "pairs", "parent", "session", "tokens")
+
+    def __init__(
+        self,
+        session: SessionAccount,
+        hold_id: int,
+        *,
+        entries: list[TierEntry],
+        blocks: list[int],
+        parent: bytes | None,
+        tokens: npt.NDArray[np.int32],
+    ) -> None:
+        self.session = session
+        self.hold_id = hold_id
+        self.entries = entries
+        self.keys = [e.key for e in entries]
+        self.pairs = [(e.slot, b) for e, b in zip(entries, blocks, strict=True)]
+        self.parent = parent
+        self.tokens = tokens
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A tier's counters, in blocks (the server turns blocks into bytes).
+
+    ``hits``: blocks an allocate found in the tier past the pool's prefix;
+    ``promotions``/``demotions``: blocks copied back/in; ``lost``: copies
+    voided because their block was evicted (or flushed) before the copy was
+    recorded; ``errors``: copies that failed; ``evictions``: entries the
+    tier dropped for room."""
+
+    capacity: int
+    blocks: int
+    pending: int
+    hits: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    lost: int = 0
+    evictions: int = 0
+    errors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the stats reply."""
+        return asdict(self)
+
+
+class Tier:
+    """Tier 1 of one engine: ``num_slots`` slots in the server's tier memory."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        accounts: Accounts,
+        holds: HoldTable,
+        block_size: int,
+        events: Callable[[Event], None] | None,
+    ) -> None:
+        self.num_slots = num_slots
+        self._accounts = accounts
+        self._holds = holds
+        self._bs = block_size
+        self._emit = events
+        #: Free slots (a stack).
+        self.free = list(range(num_slots - 1, -1, -1))
+        #: Every live entry by name, least recently used first.
+        self.entries: OrderedDict[_Name, TierEntry] = OrderedDict()
+        #: Entries flushed while a promotion read them (their slots come back at the end).
+        self.dead: list[TierEntry] = []
+        #: Blocks that became cached, to consider for demotion (oldest first).
+        self.fresh: deque[Block] = deque()
+        #: Copies in flight by block.
+        self.pending: dict[Block, Demotion] = {}
+        #: Promotions in flight by namespace, with that namespace's tier session.
+        self._sessions: dict[str, tuple[SessionAccount, int]] = {}
+        self._sids = itertools.count(-1, -1)
+        self.stats = TierStats(num_slots, 0, 0)
+
+    # ------------------------------------------------------------------
+    # Demotion
+
+    def note(self, blocks: Sequence[Block]) -> None:
+        """``blocks`` just became cached: copy them to the tier."""
+        self.fresh.extend(blocks)
+
+    def void(self, taken: Sequence[Block]) -> None:
+        """``taken`` were just handed to an allocation: copies of them in flight do not count."""
+        pending = self.pending
+        if pending:
+            for block in taken:
+                d = pending.pop(block, None)
+                if d is not None:
+                    d.void = True
+
+    def demotions(self, limit: int) -> list[Demotion]:
+        """Up to ``limit`` copies to make now (each with its reserved slot).
+
+        A noted block that lost its key since, or whose key the tier holds
+        already, is skipped; when every slot is taken the least recently used
+        entry that no promotion reads is dropped for it; none: it waits."""
+        fresh, entries, pending = self.fresh, self.entries, self.pending
+        out: list[Demotion] = []
+        while fresh and len(out) < limit:
+            block = fresh[0]
+            index = block.index
+            if block.key is None or not isinstance(index, PrefixIndex) or block in pending:
+                fresh.popleft()
+                continue
+            if (index.owner, block.key) in entries:
+                fresh.popleft()
+                entries.move_to_end((index.owner, block.key))
+                continue
+            if not self.free and not self._evict_one():
+                break
+            fresh.popleft()
+            ns = self._accounts.namespaces.get(index.owner)
+            d = Demotion(block, self.free.pop(), index.owner, ns.epoch if ns else -1)
+            pending[block] = d
+            out.append(d)
+        self.stats.pending = len(pending)
+        return out
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used unread entry for room; False when every one is read."""
+        for name, entry in self.entries.items():
+            if not entry.ref:
+                del self.entries[name]
+                self.free.append(entry.slot)
+                self.stats.evictions += 1
+                if self._emit is not None:
+                    self._emit(BlockRemoved([entry.key], tier=1))
+                return True
+        return False
+
+    def demoted(self, done: Sequence[Demotion], ok: bool) -> int:
+        """The copies ``done`` finished (``ok``) or failed; how many now count."""
+        stats, pending, entries = self.stats, self.pending, self.entries
+        namespaces = self._accounts.namespaces
+        stored: dict[str, list[bytes]] = {}
+        for d in done:
+            if pending.get(d.block) is d:
+                del pending[d.block]
+            else:
+                d.void = True
+            ns = namespaces.get(d.namespace)
+            valid = not d.void and ns is not None and ns.epoch == d.epoch
+            name = (d.namespace, d.key)
+            if not ok or not valid or name in entries:
+                self.free.append(d.slot)
+                stats.errors += not ok
+                stats.lost += ok and not valid
+                continue
+            entries[name] = TierEntry(d.slot, d.namespace, d.key)
+            stored.setdefault(d.namespace, []).append(d.key)
+        if self._emit is not None:
+            for namespace, keys in stored.items():
+                self._emit(
+                    BlockStored(
+                        keys,
+                        None,
+                        _NO_TOKENS,
+                        block_size=self._bs,
+                        namespace=namespace,
+                        adapter=None,
+                        tier=1,
+                    )
+                )
+        counted = sum(map(len, stored.values()))
+        stats.demotions += counted
+        stats.blocks = len(entries)
+        stats.pending = len(pending)
+        return counted
+
+    # ------------------------------------------------------------------
+    # Promotion
+
+    def continuation(self, namespace: str, keys: Sequence[bytes], start: int) -> list[TierEntry]:
+        """The entries of the run of ``keys[start:]`` the tier holds, in order."""
+        entries = self.entries
+        found = []
+        for key in keys[start:]:
+            entry = entries.get((namespace, key))
+            if entry is None:
+                break
+            found.append(entry)
+        return found
+
+    def promote(
+        self,
+        sess: SessionAccount,
+        hits: list[Block],
+        entries: list[TierEntry],
+        keys: Sequence[bytes],
+        tokens: npt.NDArray[np.int32],
+    ) -> Promotion | None:
+        """Hold ``hits`` (the pool's part of the prefix) and fresh blocks for
+        ``entries`` (the tier's part, after ``keys[len(hits) - 1]``), pin the
+        entries; None (nothing changed) when the pool cannot give the blocks."""
+        ns = sess.namespace
+        owner, inflight = self._sessions.get(ns.name, (None, 0))
+        if owner is None:
+            owner = self._open(ns.name)
+        made = self._holds.hold_fresh(owner, hits, len(entries))
+        if made is None:
+            if not inflight:
+                self._accounts.close(owner)
+            return None
+        hold_id, blocks = made
+        self._sessions[ns.name] = (owner, inflight + 1)
+        for entry in entries:
+            entry.ref += 1
+        self.stats.hits += len(entries)
+        first, bs = len(hits), self._bs
+        tokens = tokens[first * bs : (first + len(entries)) * bs].copy()
+        return Promotion(
+            owner,
+            hold_id,
+            entries=entries,
+            blocks=blocks,
+            parent=keys[first - 1] if first else None,
+            tokens=tokens,
+        )
+
+    def _open(self, namespace: str) -> SessionAccount:
+        sid = next(self._sids)
+        self._accounts.open(sid, namespace, None, None, 0)
+        return self._accounts.sessions[sid]
+
+    def promoted(self, promo: Promotion, ok: bool) -> int:
+        """Promotion ``promo``'s copies finished (``ok``) or failed: publish the
+        fresh blocks (ok), release the hold, unpin the entries; how many were published."""
+        owner = promo.session
+        published = 0
+        if ok:
+            blocks = [b for _, b in promo.pairs]
+            published = self._holds.publish(
+                owner, promo.hold_id, blocks, promo.keys, tokens=promo.tokens, parent=promo.parent
+            )
+            self.stats.promotions += len(blocks)
+        else:
+            self.stats.errors += len(promo.pairs)
+        self._holds.release(owner, promo.hold_id, None)
+        entries = self.entries
+        for entry in promo.entries:
+            entry.ref -= 1
+            if entry.dead:
+                if not entry.ref:
+                    self.dead.remove(entry)
+                    self.free.append(entry.slot)
+            else:
+                entries.move_to_end((entry.namespace, entry.key))
+        name = owner.namespace.name
+        left = self._sessions[name][1] - 1
+        if left:
+            self._sessions[name] = (owner, left)
+        else:
+            del self._sessions[name]
+            self._accounts.close(owner)
+        return published
+
+    # ------------------------------------------------------------------
+    # Flush and checks
+
+    def flush(self, namespace: str | None) -> None:
+        """Drop the entries of ``namespace`` (all when None); entries being read
+        keep their slots until read. The caller emits the events."""
+        entries = self.entries
+        for name in [n for n in entries if namespace is None or n[0] == namespace]:
+            entry = entries.pop(name)
+            if entry.ref:
+                entry.dead = True
+                self.dead.append(entry)
+            else:
+                self.free.append(entry.slot)
+        self.stats.blocks = len(entries)
+
+    def removed_keys(self, namespace: str) -> list[bytes]:
+        """The keys of ``namespace``'s entries (for the event of a flush)."""
+        return [key for ns, key in self.entries if ns == namespace]
+
+    def snapshot(self) -> TierStats:
+        """A copy of the counters."""
+        self.stats.blocks = len(self.entries)
+        self.stats.pending = len(self.pending)
+        return TierStats(**asdict(self.stats))
+
+    def check(self, problems: list[str]) -> None:
+        """Append what is wrong with the tier's state to ``problems``."""
+        slots = [e.slot for e in self.entries.values()] + [e.slot for e in self.dead]
+        slots += [d.slot for d in self.pending.values()] + self.free
+        # Voided copies still in flight hold slots the server gives back on completion.
+        if len(set(slots)) != len(slots) or len(slots) > self.num_slots:
+            problems.append(f"tier slots: {len(slots)} accounted, {len(set(slots))} distinct")
+        for (ns, key), entry in self.entries.items():
+            if entry.namespace != ns or entry.key != key or entry.dead or entry.ref < 0:
+                problems.append(f"tier entry {key.hex()[:12]} of {ns!r} is inconsistent")
+        for block, d in self.pending.items():
+            if d.block is not block or d.void:
+                problems.append(f"tier copy of block {block.block_id} is inconsistent")
+        for owner, inflight in self._sessions.values():
+            held = len(owner.holds)
+            if held != inflight or self._accounts.sessions.get(owner.sid) is not owner:
+                problems.append(f"tier session {owner.sid}: {held} holds, {inflight} promotions")
