@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,6 +76,7 @@ from kvd_client.integrations.vllm_plan import (
     pool_name,
     same_but_size,
 )
+from kvd_client.integrations.vllm_shared import KvdAsyncScheduler, KvdScheduler, SharedWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvdConnector", "KvdConnectorMetadata"]
+__all__ = ["KvdAsyncScheduler", "KvdConnector", "KvdConnectorMetadata", "KvdScheduler"]
 
 #: A child of vLLM's logger, so these lines show with vLLM's own (its handler, its level).
 log = logging.getLogger("vllm.kvd")
@@ -128,6 +130,19 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.get_from_extra_config
+        mode = extra("mode", "copy")
+        if mode not in ("copy", "shared"):
+            raise ValueError(f'KvdConnector "mode" is "copy" (default) or "shared", not {mode!r}')
+        #: Shared mode: the pool is vLLM's KV buffer (`vllm_shared`); nothing to copy.
+        self._shared: SharedWorker | None = None
+        self._plan: SchedulerPlan | None = None
+        self._worker: WorkerSide | None = None
+        self._load_errors: set[int] = set()
+        self._mode = mode
+        if mode == "shared":
+            if role != KVConnectorRole.SCHEDULER:
+                self._shared = SharedWorker(vllm_config, kv_cache_config)
+            return
         device = vllm_config.device_config.device_type
         if device != "cpu":
             raise ValueError(f"KvdConnector runs on vLLM's CPU backend only, not {device!r}")
@@ -160,8 +175,6 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._bs = spec.block_size
         self._plan = SchedulerPlan(_Port(self.link), self._bs) if is_scheduler else None
         self._requests: dict[str, Request] = {}
-        self._worker: WorkerSide | None = None
-        self._load_errors: set[int] = set()
         log.info("kvd connector (%s): pool %r, layout %s", role.name, self.pool, self.layout)
 
     def _connect(self, name: str) -> Client:
@@ -192,7 +205,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._plan is not None
+        if self._plan is None:  # shared mode: vLLM's own prefix cache is kvd's
+            return 0, False
         if request.cache_salt is not None or request.lora_request is not None:
             self._plan.counters["bypassed"] += 1
             return 0, False
@@ -210,12 +224,12 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._plan is not None
-        if request.request_id in self._requests:
+        if self._plan is not None and request.request_id in self._requests:
             self._plan.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._plan is not None
+        if self._plan is None:
+            return KvdConnectorMetadata(StepPlan())
         counts = scheduler_output.num_scheduled_tokens
         views = [
             ReqView(r.req_id, r.num_computed_tokens, counts[r.req_id], list(r.block_ids[0]), True)
@@ -242,12 +256,15 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._plan is not None
-        if self._requests.pop(request.request_id, None) is not None:
+        if self._plan is not None and self._requests.pop(request.request_id, None) is not None:
             self._plan.finished(request.request_id)
         return False, None
 
     def shutdown(self) -> None:
+        if self._mode == "shared":
+            if self._shared is not None:
+                self._shared.close()
+            return
         if self._plan is not None:
             self._plan.forget_all()
             log.info("kvd scheduler: %s", describe(self._plan.counters + self.link.counters))
@@ -258,7 +275,14 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- worker side -------------------------------------------------------
 
+    def get_mem_pool_context(self) -> AbstractContextManager[None] | None:
+        """Shared mode: vLLM's KV allocation is the kvd pool's mapping."""
+        return None if self._shared is None else self._shared.context()
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._shared is not None:
+            self._shared.check(kv_caches)
+            return
         layers = [kv_caches[name] for name in self._layer_names]
         lay = self.layout
         want = (lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
