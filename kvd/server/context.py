@@ -85,7 +85,7 @@ class Call:
 class SessionCall:
     """A message from a connection with a session: the session and its pool's engine."""
 
-    __slots__ = ("engine", "extras", "identity", "session")
+    __slots__ = ("batch", "engine", "extras", "identity", "session")
 
     def __init__(
         self, identity: bytes, extras: Sequence[bytes], session: Session, engine: Engine
@@ -94,3 +94,5 @@ class SessionCall:
         self.extras = extras
         self.session = session
         self.engine = engine
+        #: An operation of a batch (answered with the batch: never deferred).
+        self.batch = False

@@ -347,7 +347,8 @@ class Daemon:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
-            assert self._monitor is not None
+            assert self._monitor is not None and self.dispatcher is not None
+            tg.start_soon(self.dispatcher.tiers.serve, self._lock, self._send)
             tg.start_soon(
                 guard_connections,
                 self._monitor,
@@ -400,10 +401,8 @@ class Daemon:
             name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
             for name in stats["pools"]
         }
-        snapshot = {"pools": pools, "admission": stats["admission"], "clients": stats["clients"]}
-        if "events" in stats:
-            snapshot["events"] = stats["events"]
-        return snapshot
+        optional = ("admission", "clients", "events", "tiers")
+        return {"pools": pools} | {key: stats[key] for key in optional if key in stats}
 
     def _status_line(self) -> str:
         assert self.dispatcher is not None

@@ -58,6 +58,7 @@ from kvd.server.pools import PoolRefusal, Pools
 from kvd.server.security import NamespacePolicy, RateLimiter, RequestLimits
 from kvd.server.sequences import SequenceHandlers
 from kvd.server.sessions import PeerCred, SessionTable
+from kvd.server.tiers import PendingPromotion, Tiers
 
 __all__ = ["BATCH_SLICE_NS", "DRAIN_REFUSED", "BatchRun", "Dispatcher"]
 
@@ -91,7 +92,7 @@ _NO_FRAMES: Final[list[bytes]] = []
 
 C = TypeVar("C", Call, SessionCall)
 R = TypeVar("R")
-_SessionHandler = Callable[[Any, SessionCall], Outcome]
+_SessionHandler = Callable[[Any, SessionCall], Outcome | PendingPromotion]
 _OpenHandler = Callable[[Any, Call], Outcome | PendingHello]
 
 
@@ -127,8 +128,12 @@ class Dispatcher:
         self.handshake = Handshake(self.state, self.policy, self.limiter, publish)
         self.info = Info(self.state)
         self._pending: list[PendingHello] = []
+        self.tiers = Tiers(self.state, on_events, self.finish_promotion)
+        if any(pool.tier_blocks for pool in config.pools):  # runtime pools have no tier
+            self.info.sections["tiers"] = self.tiers.stats
         limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
-        seq = SequenceHandlers(limits)
+        seq = SequenceHandlers(limits, self.tiers)
+        self._allocate_now = seq.allocate_now
         holds = HoldHandlers(limits)
         self._session_table: dict[int, _SessionHandler] = {
             wire.Kind.HEARTBEAT: self.handshake.heartbeat,
@@ -258,7 +263,10 @@ class Dispatcher:
                 if sliced and kind == _BATCH and _SLICE_MIN_OPS < ops <= wire.MAX_BATCH_OPS:
                     run = BatchRun(self, typing.cast(wire.BatchRequest, req), scall)
                     return name, ops, run if run.step() is None else run.reply
-                outcome = self._run(req, scall)
+                done = self._run(req, scall)
+                if isinstance(done, PendingPromotion):  # answered by finish_promotion
+                    return name, ops, []
+                outcome = done
         except RequestError as exc:
             return name, ops, self._error(req_id, exc.code, exc.message)
         if isinstance(outcome, Refusal):
@@ -272,7 +280,7 @@ class Dispatcher:
             if refusal is not None:
                 raise refusal
 
-    def _run(self, req: wire.Request, call: SessionCall) -> Outcome:
+    def _run(self, req: wire.Request, call: SessionCall) -> Outcome | PendingPromotion:
         """One session request (or batch op) through its handler; errors become RequestError."""
         return self._guard(req, self._session_table[req.KIND], call)
 
@@ -303,6 +311,7 @@ class Dispatcher:
             raise RequestError(wire.Code.TOO_LARGE, f"more than {wire.MAX_BATCH_OPS} operations")
         # The batch's token frame is decoded once; each op takes a slice of it.
         call.extras = wire.TokenFrames(call.extras)
+        call.batch = True
         op_result = self._batch_op
         return wire.BatchResult(results=[op_result(op, call) for op in req.ops])
 
@@ -317,6 +326,7 @@ class Dispatcher:
         if isinstance(outcome, Refusal):
             self.state.rpc.error(str(outcome.code))
             return {"ok": False, "code": str(outcome.code), "msg": outcome.message}
+        assert not isinstance(outcome, PendingPromotion)  # a batch's ops are never deferred
         # Results carry no token fields: nothing goes to extra frames.
         if isinstance(outcome, dict):
             return {"ok": True, "r": outcome}
@@ -364,6 +374,29 @@ class Dispatcher:
         self._record(_KIND_NAMES[wire.Kind.HELLO], 1, time.perf_counter_ns() - t0)
         return reply
 
+    def finish_promotion(self, job: PendingPromotion) -> list[bytes]:
+        """The reply to an allocate once its promotion is done (under the lock):
+        the allocate runs now, as if it had just arrived (SESSION_LOST when its
+        session closed meanwhile)."""
+        t0 = time.perf_counter_ns()
+        req_id = job.req.id
+        call = job.call
+        if self.state.sessions.peek(call.identity) is not call.session:
+            reply = self._error(req_id, wire.Code.SESSION_LOST, "the session closed")
+        else:
+            try:
+                outcome = self._guard(job.req, self._allocate_now, call)
+            except RequestError as exc:
+                reply = self._error(req_id, exc.code, exc.message)
+            else:
+                reply = (
+                    self._error(req_id, wire.Code(outcome.code), outcome.message)
+                    if isinstance(outcome, Refusal)
+                    else wire.encode_ok(req_id, outcome)
+                )
+        self._record(_KIND_NAMES[wire.Kind.ALLOCATE], 1, time.perf_counter_ns() - t0)
+        return reply
+
     def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
         """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
         try:
@@ -393,6 +426,7 @@ class BatchRun:
         self._call = call
         # The batch's token frame is decoded once; each op takes a slice of it.
         call.extras = wire.TokenFrames(call.extras)
+        call.batch = True
         self._results: list[dict[str, Any]] = []
         self._next = 0
         self.req_id: int = req.id

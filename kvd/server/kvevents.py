@@ -87,6 +87,7 @@ __all__ = [
     "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_HOST_TIER",
     "EventChannel",
     "KVEventPublisher",
     "WireFormat",
@@ -100,6 +101,9 @@ END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 MEDIUM_CPU: Final = "CPU"
 #: ``medium`` of blocks in device memory (the cuda backend).
 MEDIUM_GPU: Final = "GPU"
+#: ``medium`` of tier 1's copies (`kvd.engine.tier`) of a pool in host memory; a
+#: device pool's tier 1 is vLLM's "CPU" (host memory under device memory).
+MEDIUM_HOST_TIER: Final = "CPU_TIER1"
 
 WireFormat = Literal["vllm", "vllm-legacy"]
 
@@ -130,13 +134,15 @@ _MAX_REQUESTS_PER_CALL: Final = 64
 
 
 class EventChannel:
-    """The events of one pool, published under one topic with one medium."""
+    """The events of one pool, published under one topic with one medium (and
+    ``tier_medium`` for its tier 1's events)."""
 
-    __slots__ = ("_pending", "medium", "topic")
+    __slots__ = ("_pending", "medium", "tier_medium", "topic")
 
     def __init__(self, topic: bytes, medium: str) -> None:
         self.topic = topic
         self.medium = medium
+        self.tier_medium = MEDIUM_CPU if medium == MEDIUM_GPU else MEDIUM_HOST_TIER
         self._pending: list[Any] = []
 
     def extend(self, events: Iterable[Any]) -> None:
@@ -291,7 +297,7 @@ class KVEventPublisher:
         for channel in self._channels:
             if not channel._pending:
                 continue
-            events = self._convert(channel._take(max_events), channel.medium)
+            events = self._convert(channel._take(max_events), channel.medium, channel.tier_medium)
             if not events:
                 continue
             seq = self._seq
@@ -417,15 +423,16 @@ class KVEventPublisher:
         assert self._replay is not None
         self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
 
-    def _convert(self, events: list[Any], medium: str) -> list[Any]:
+    def _convert(self, events: list[Any], pool_medium: str, tier_medium: str) -> list[Any]:
         """Engine events to vLLM's event maps (or arrays), merging where the meaning allows."""
         out: list[Any] = []
         last: dict[str, Any] | None = None
         for event in events:
             kind = type(event).__name__
+            medium = tier_medium if getattr(event, "tier", 0) else pool_medium
             if kind == "BlockRemoved":
                 hashes = [int.from_bytes(key[-8:], "big") for key in event.keys]
-                if last is not None and last["type"] == "BlockRemoved":
+                if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:
                     last["block_hashes"].extend(hashes)
                     continue
                 last = {
@@ -445,6 +452,7 @@ class KVEventPublisher:
                     and last["block_hashes"][-1] == parent
                     and last["block_size"] == event.block_size
                     and last["lora_name"] == event.adapter
+                    and last["medium"] == medium
                 ):
                     # The next blocks of the same chain: one event, as vLLM sends per step.
                     last["block_hashes"].extend(hashes)

@@ -34,6 +34,9 @@ ignored; numbers are ints or floats)::
       "admission": {"refusals": {"<CODE>": n}},
       "clients": {"sessions": n},
       "events": {"batches": n, "events": n, "replays": n},   # optional: KVEventPublisher.stats()
+      "tiers": {"<pool>": {"tier": 1, "blocks": n, "capacity": n, "bytes": n, "hits": n,
+                           "promotions": n, "demotions": n, "lost": n, "evictions": n,
+                           "errors": n, "bytes_moved": n}},   # optional: kvd.server.tiers
     }
 
 Prefix counters are per namespace from ``prefix.namespaces``; a pool without
@@ -56,6 +59,16 @@ kvd_sessions                               gauge      connected client sessions
 kvd_events_total                           counter    KV events published
 kvd_event_batches_total                    counter    KV event batches published
 kvd_event_replays_total                    counter    replay requests served
+kvd_tier_blocks                            gauge      pool, tier: block copies a tier holds
+kvd_tier_capacity_blocks                   gauge      pool, tier: a tier's slots
+kvd_tier_bytes                             gauge      pool, tier: bytes of the copies held
+kvd_tier_hits_total                        counter    pool, tier: blocks found there past the pool
+kvd_tier_promotions_total                  counter    pool, tier: blocks copied back into the pool
+kvd_tier_demotions_total                   counter    pool, tier: blocks copied in from the pool
+kvd_tier_lost_total                        counter    pool, tier: copies voided by an eviction
+kvd_tier_evictions_total                   counter    pool, tier: copies dropped for room
+kvd_tier_errors_total                      counter    pool, tier: blocks whose copy failed
+kvd_tier_bytes_moved_total                 counter    pool, tier: bytes copied, both ways
 kvd_request_duration_seconds               histogram  kind: request handling time
 kvd_stats_up                               gauge      1 when the last snapshot was read
 kvd_build_info                             gauge      version
@@ -131,6 +144,21 @@ _EVENT_COUNTERS: Final = (
     ("events", "kvd_events", "KV events published."),
     ("batches", "kvd_event_batches", "KV event batches published."),
     ("replays", "kvd_event_replays", "KV event replay requests served."),
+)
+
+_TIER_GAUGES: Final = (
+    ("blocks", "kvd_tier_blocks", "Block copies a tier holds."),
+    ("capacity", "kvd_tier_capacity_blocks", "Slots of a tier."),
+    ("bytes", "kvd_tier_bytes", "Bytes of the block copies a tier holds."),
+)
+_TIER_COUNTERS: Final = (
+    ("hits", "kvd_tier_hits", "Blocks an allocate found in a tier past the pool's prefix."),
+    ("promotions", "kvd_tier_promotions", "Blocks copied from a tier back into the pool."),
+    ("demotions", "kvd_tier_demotions", "Blocks copied from the pool into a tier."),
+    ("lost", "kvd_tier_lost", "Copies into a tier voided by an eviction before they counted."),
+    ("evictions", "kvd_tier_evictions", "Block copies a tier dropped for room."),
+    ("errors", "kvd_tier_errors", "Blocks whose copy to or from a tier failed."),
+    ("bytes_moved", "kvd_tier_bytes_moved", "Bytes copied between the pool and a tier."),
 )
 
 
@@ -328,6 +356,21 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
             family = CounterMetricFamily(name, doc)
             _add(family, [], events.get(key))
             yield family
+
+    tiers = _section(snap, "tiers")
+    if tiers:
+        labels = ["pool", "tier"]
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            (key, GaugeMetricFamily(name, doc, labels=labels)) for key, name, doc in _TIER_GAUGES
+        ] + [
+            (key, CounterMetricFamily(name, doc, labels=labels))
+            for key, name, doc in _TIER_COUNTERS
+        ]
+        for pool, stats in tiers.items():
+            if isinstance(stats, Mapping):
+                for key, tier_family in families:
+                    _add(tier_family, [str(pool), str(stats.get("tier", 1))], stats.get(key))
+        yield from (tier_family for _, tier_family in families)
 
 
 def _section(mapping: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -31,19 +31,23 @@ from kvd.errors import (
 )
 from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memory
 from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
+from kvd.memory.shm import ShmSegment
+from kvd.memory.tier import HostTier, TierStore, tier_layout
 
 __all__ = ["PoolRefusal", "Pools", "ServedPool"]
 
 
 @dataclass(slots=True)
 class ServedPool:
-    """One pool as the daemon serves it: its config, engine and memory."""
+    """One pool as the daemon serves it: its config, engine, memory and tier store."""
 
     config: PoolConfig
     engine: Engine
     memory: PoolMemory
     #: Created by a client's hello (not in the config file).
     runtime: bool = False
+    #: Where tier 1's copies live (None: no tier; `kvd.server.tiers` moves them).
+    tier: TierStore | None = None
 
     @property
     def name(self) -> str:
@@ -54,6 +58,12 @@ class ServedPool:
     def layout(self) -> wire.PoolLayout:
         """The pool's layout."""
         return self.memory.layout
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes the pool holds of the node's budget: its memory and its tier's."""
+        tier = self.config.tier_blocks
+        return self.layout.total_bytes + (tier_layout(self.layout, tier).total_bytes if tier else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,9 @@ class Pools:
             place = f"{pool.backend} ({cap.where})"
             free[place] = cap.bytes
             requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
+            if pool.tier_blocks:
+                size = tier_layout(pool.layout, pool.tier_blocks).total_bytes
+                requests.append(PoolRequest(f"{pool.name} tier 1", place, size))
         refused = [d.message for d in budget.plan(requests, free) if not d.ok]
         if refused:
             raise StartupError("; ".join(refused))
@@ -123,18 +136,27 @@ class Pools:
     def create(self, pool: PoolConfig, *, runtime: bool = False) -> ServedPool:
         """Make ``pool``'s memory and engine (blocking; DaemonError from the backend)."""
         mem = self.config.memory
+        opts = {"instance": self.instance, "shm_dir": mem.shm_dir, "prefault": pool.prefault}
         memory = create_pool_memory(
             pool.backend,
             pool.name,
             pool.layout,
-            instance=self.instance,
-            shm_dir=mem.shm_dir,
-            prefault=pool.prefault,
+            **opts,
             hugepages=pool.hugepages,
             device=pool.device,
             headroom_bytes=mem.headroom_bytes,
         )
-        return ServedPool(pool, self._engine(pool), memory, runtime=runtime)
+        tier = None
+        if pool.tier_blocks:
+            assert isinstance(memory, ShmSegment)  # PoolConfig: tiers are for shm pools
+            try:
+                tier = HostTier.create(
+                    pool.name, pool.layout, memory.buffer(), pool.tier_blocks, **opts
+                )
+            except BaseException:
+                memory.close()
+                raise
+        return ServedPool(pool, self._engine(pool), memory, runtime=runtime, tier=tier)
 
     def _engine(self, pool: PoolConfig) -> Engine:
         adm = self.config.admission
@@ -146,6 +168,7 @@ class Pools:
                 watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
                 events=self.config.events.enabled,
                 eviction=self.config.cache.eviction,
+                tier_blocks=pool.tier_blocks,
             )
         )
         for ns, limits in adm.namespaces.items():
@@ -163,6 +186,8 @@ class Pools:
         """Release every pool's memory (at exit; idempotent)."""
         while self._pools:
             _, pool = self._pools.popitem()
+            if pool.tier is not None:  # first: its views keep the pool's mapping
+                pool.tier.close()
             pool.memory.close()
 
     # ------------------------------------------------------------------
@@ -228,7 +253,7 @@ class Pools:
         does not exist. The caller passes a refusal to `abandon`.
         """
         mem = self.config.memory
-        held = sum(p.layout.total_bytes for p in self._pools.values())
+        held = sum(p.reserved_bytes for p in self._pools.values())
         try:
             cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
             decision = decide(

@@ -19,6 +19,7 @@ from kvd_client import wire
 from kvd.engine import Engine, Refusal
 from kvd.server.context import Outcome, SessionCall
 from kvd.server.security import RequestLimits
+from kvd.server.tiers import PendingPromotion, Tiers
 
 __all__ = ["SequenceHandlers", "block_bytes"]
 
@@ -37,10 +38,12 @@ def block_bytes(ids: Sequence[int]) -> bytes:
 
 
 class SequenceHandlers:
-    """The sequence kinds' handlers, under ``limits``."""
+    """The sequence kinds' handlers, under ``limits``; ``tiers`` promotes an
+    allocate's prefix from tier 1 first (`kvd.server.tiers`)."""
 
-    def __init__(self, limits: RequestLimits) -> None:
+    def __init__(self, limits: RequestLimits, tiers: Tiers) -> None:
         self.limits = limits
+        self.tiers = tiers
 
     def _check_size(self, req: wire.Request, engine: Engine | None, sid: int) -> None:
         """TOO_LARGE for too many tokens, or (``engine`` given) one sequence too many."""
@@ -51,9 +54,20 @@ class SequenceHandlers:
         if refusal is not None:
             raise refusal
 
-    def allocate(self, req: wire.AllocateRequest, call: SessionCall) -> Outcome:
+    def allocate(self, req: wire.AllocateRequest, call: SessionCall) -> Outcome | PendingPromotion:
+        """Allocate, or (a prefix that continues into tier 1, not in a batch)
+        the promotion to make first: the reply waits for it, no one else does."""
         engine, sid = call.engine, call.session.id
         self._check_size(req, engine, sid)
+        if engine.tier is not None and not call.batch:
+            job = self.tiers.ask(req, call)
+            if job is not None:
+                return job
+        return self.allocate_now(req, call)
+
+    def allocate_now(self, req: wire.AllocateRequest, call: SessionCall) -> Outcome:
+        """The allocate itself (after its promotion, if any)."""
+        engine, sid = call.engine, call.session.id
         r = engine.allocate(sid, req.seq, req.tokens, reserve=req.reserve, keys=req.keys)
         if isinstance(r, Refusal):
             return r

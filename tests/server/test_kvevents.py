@@ -13,7 +13,14 @@ import zmq
 from kvd_client.wire.hashing import BlockHasher, event_id
 
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvd.server.kvevents import END_SEQ, MEDIUM_GPU, EventChannel, KVEventPublisher
+from kvd.server.kvevents import (
+    END_SEQ,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_HOST_TIER,
+    EventChannel,
+    KVEventPublisher,
+)
 
 BS = 16
 #: DESIGN.md section 5: block 0 of tokens 0..15, vLLM 0.33.0's sha256_cbor, no extras.
@@ -771,4 +778,16 @@ def test_legacy_format_leaves_out_the_fields_added_after_0_23(ctx: Any) -> None:
         "a",
     ]
     assert removed == ["BlockRemoved", [event_id(keys[0])], "CPU"]
+    pub.close()
+
+
+def test_tier_moves_carry_the_tier_medium_and_stay_apart(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(clear=False)
+    a = _keys(range(32))
+    channel.extend([BlockRemoved(a[:1]), BlockRemoved(a[1:], tier=1)])
+    pub.flush()
+    events = _decode(_recv(sub)[2])[1]
+    assert [e["medium"] for e in events] == [MEDIUM_CPU, MEDIUM_HOST_TIER]
     pub.close()

@@ -226,3 +226,16 @@ def test_loop_snapshot_runs_on_the_event_loop_thread() -> None:
     samples = anyio.run(main)
     assert samples[("kvd_sessions", ())] == 5
     assert seen == [loop_thread]
+
+
+def test_tier_figures_per_pool_and_tier(serve: Any) -> None:
+    def with_tier() -> dict[str, Any]:
+        tier = {"tier": 1, "blocks": 12, "capacity": 64, "promotions": 5, "bytes_moved": 4096}
+        return {"tiers": {"llama": tier}}
+
+    samples = _scrape(serve(with_tier))
+    labels = (("pool", "llama"), ("tier", "1"))
+    assert samples[("kvd_tier_blocks", labels)] == 12
+    assert samples[("kvd_tier_capacity_blocks", labels)] == 64
+    assert samples[("kvd_tier_promotions_total", labels)] == 5
+    assert samples[("kvd_tier_bytes_moved_total", labels)] == 4096

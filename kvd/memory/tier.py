@@ -1,0 +1,127 @@
+"""Tier stores: where a pool's tier keeps copies of its blocks, and the copies.
+
+`TierStore` is the small interface a tier's bytes live behind: `store`
+copies pool blocks into tier slots (demotion), `load` copies tier slots
+into pool blocks (promotion). Each takes the blocks' keys as well, which
+the host tier ignores (its slots are its addresses) and a remote store
+(Redis, Mooncake) would use as its object names. Both block, so the server
+calls them from worker threads, never from the event loop or the request
+thread; an exception means nothing was copied that counts.
+
+`HostTier` is tier 1: a shm segment of its own (``kvd-<instance>-<pool>@tier1``,
+reserved and prefaulted like a pool; `kvd.memory.shm`) laid out as the pool
+is with ``tier_blocks`` blocks, so one block's bytes sit at the same
+offsets in both and a copy is one strided numpy assignment per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+from kvd_client.wire import PoolLayout
+
+from kvd.memory.shm import ShmSegment
+
+__all__ = ["HostTier", "TierStore", "block_view", "tier_layout", "tier_segment_name"]
+
+
+@runtime_checkable
+class TierStore(Protocol):
+    """Where one pool's tier keeps its block copies."""
+
+    #: Bytes one block's copy takes (what a move of one block costs).
+    block_bytes: int
+
+    def store(self, blocks: Sequence[int], slots: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Copy pool ``blocks`` into tier ``slots`` (pairwise); the bytes moved."""
+        ...
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Copy tier ``slots`` into pool ``blocks`` (pairwise); the bytes moved."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """Operator facts (kind, where, size)."""
+        ...
+
+    def close(self) -> None:
+        """Release the store (idempotent)."""
+        ...
+
+
+def tier_layout(layout: PoolLayout, tier_blocks: int) -> PoolLayout:
+    """The layout of a tier of ``tier_blocks`` blocks for a pool of ``layout``."""
+    return dataclasses.replace(layout, num_blocks=tier_blocks)
+
+
+def tier_segment_name(pool: str) -> str:
+    """The segment name of ``pool``'s tier 1 (``@`` is not allowed in pool names)."""
+    return f"{pool}@tier1"
+
+
+def block_view(layout: PoolLayout, buf: memoryview) -> npt.NDArray[np.uint8]:
+    """A byte view of ``buf`` (laid out as ``layout``) with the block on axis -2.
+
+    layer_major ``[layers, 2, blocks, slot]``, block_major ``[blocks, span]``,
+    paged ``[layers, blocks, page]``: indexing axis -2 with block ids picks
+    every byte of those blocks and nothing else."""
+    n = layout.num_blocks
+    if layout.order == "block_major":
+        shape: tuple[int, ...] = (n, layout.kv_bytes_per_block)
+        strides: tuple[int, ...] = (layout.block_stride, 1)
+    elif layout.order == "paged":
+        shape = (layout.num_layers, n, layout.page_bytes)
+        strides = (layout.layer_stride, layout.page_bytes, 1)
+    else:
+        slot = layout.slot_bytes
+        shape = (layout.num_layers, 2, n, slot)
+        strides = (layout.layer_stride, n * slot, slot, 1)
+    return np.ndarray(shape, dtype=np.uint8, buffer=buf, strides=strides)
+
+
+class HostTier:
+    """Tier 1 of a pool in host memory: a shm segment sized for ``tier_blocks`` blocks."""
+
+    def __init__(self, pool_layout: PoolLayout, pool_buffer: memoryview, segment: ShmSegment):
+        self._segment = segment
+        self._pool = block_view(pool_layout, pool_buffer)
+        self._tier = block_view(segment.layout, segment.buffer())
+        self.block_bytes = pool_layout.num_layers * pool_layout.page_bytes
+
+    @classmethod
+    def create(
+        cls,
+        pool: str,
+        pool_layout: PoolLayout,
+        pool_buffer: memoryview,
+        tier_blocks: int,
+        **opts: Any,
+    ) -> HostTier:
+        """Create, reserve and prefault the tier's segment (blocking; the shm
+        backend's errors, ``opts`` its options)."""
+        layout = tier_layout(pool_layout, tier_blocks)
+        segment = ShmSegment.create(tier_segment_name(pool), layout, **opts)
+        return cls(pool_layout, pool_buffer, segment)
+
+    def store(self, blocks: Sequence[int], slots: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Pool ``blocks`` -> tier ``slots``; the bytes moved."""
+        self._tier[..., list(slots), :] = self._pool[..., list(blocks), :]
+        return len(blocks) * self.block_bytes
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int], keys: Sequence[bytes]) -> int:
+        """Tier ``slots`` -> pool ``blocks``; the bytes moved."""
+        self._pool[..., list(blocks), :] = self._tier[..., list(slots), :]
+        return len(blocks) * self.block_bytes
+
+    def info(self) -> dict[str, Any]:
+        """The segment's facts (path, size, start-up timings) and the tier's kind."""
+        return {"kind": "host", **self._segment.info()}
+
+    def close(self) -> None:
+        """Unmap and unlink the segment."""
+        self._pool = self._tier = np.empty((0, 0), dtype=np.uint8)
+        self._segment.close()

@@ -1,0 +1,223 @@
+"""Tier 1's bytes on the server side: demotion and promotion copies, off the request path.
+
+The engine (`kvd.engine.tier`) decides what moves; this module moves it,
+in worker threads, and tells the engine under the request lock:
+
+- *Demotion*: every ``_INTERVAL`` the loop takes the engine's pending
+  demotions (blocks that became cached), copies them pool -> tier in a
+  worker thread without the lock, then records them (`Tier.demoted`). A
+  block an allocation took while its copy ran does not count: the engine
+  voided it when it handed the block out, before the taker's reply left.
+- *Promotion*: an allocate (not in a batch) whose prefix continues into the
+  tier is not answered at once. The handler asks the engine to hold that
+  part (`Engine.promote`) and queues a `PendingPromotion`; the request
+  thread goes on serving everyone else. A loop task copies tier -> pool in a
+  worker thread, then, under the lock, publishes the promoted blocks and
+  runs the allocate itself (`Dispatcher.finish_promotion`), whose whole
+  prefix is then a pool hit; the reply is sent through the loop's outbox.
+  So no reply names a block whose bytes are not in place, and no other
+  session waits for a copy. The client sees one allocate reply, a little
+  later.
+
+A copy that raises counts as an error (`TierStats.errors`): a failed
+demotion leaves the block uncopied, a failed promotion publishes nothing
+(the allocate then computes that part itself).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import anyio
+import structlog
+from kvd_client import wire
+
+from kvd.engine.tier import Demotion, Promotion
+from kvd.server.context import ServerState, SessionCall
+from kvd.server.pools import ServedPool
+
+__all__ = ["PendingPromotion", "Tiers"]
+
+log = structlog.get_logger("kvd.server")
+
+#: How often the loop looks for demotions and queued promotions (seconds).
+_INTERVAL: Final = 0.002
+#: Most blocks copied per demotion batch (bounds the time a batch holds a worker).
+_DEMOTE_BATCH: Final = 256
+
+
+class PendingPromotion:
+    """An allocate waiting for its tier blocks to be copied into the pool."""
+
+    __slots__ = ("call", "pool", "promotion", "req", "t0")
+
+    def __init__(
+        self, req: wire.AllocateRequest, call: SessionCall, pool: ServedPool, promo: Promotion
+    ) -> None:
+        self.req = req
+        self.call = call
+        self.pool = pool
+        self.promotion = promo
+        self.t0 = time.perf_counter()
+
+
+class Tiers:
+    """The server's tier copies over ``state``'s pools; ``on_events`` gets their
+    engine events, ``finish`` makes a promoted allocate's reply (under the lock)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        on_events: Callable[[str, list[Any]], None] | None,
+        finish: Callable[[PendingPromotion], list[bytes]],
+    ) -> None:
+        self._state = state
+        self._on_events = on_events
+        self._finish = finish
+        #: Promotions queued by the request thread, taken by the loop (deque: thread-safe ends).
+        self.jobs: collections.deque[PendingPromotion] = collections.deque()
+        #: Bytes moved and copies failed, by pool.
+        self._moved: collections.Counter[str] = collections.Counter()
+        self._failed: collections.Counter[str] = collections.Counter()
+        #: Seconds of the last promotions' copies by pool (for the stats' median).
+        self._promote_s: collections.defaultdict[str, collections.deque[float]] = (
+            collections.defaultdict(lambda: collections.deque(maxlen=256))
+        )
+        self._counts_lock = threading.Lock()
+
+    # ------------------------------------------------------------------
+    # Request thread (under the request lock)
+
+    def ask(self, req: wire.AllocateRequest, call: SessionCall) -> PendingPromotion | None:
+        """The promotion an allocate needs first, queued; None: run it now."""
+        pool = self._state.pools.get(call.session.pool)
+        if pool is None or pool.tier is None:
+            return None
+        promo = call.engine.promote(call.session.id, req.seq, req.tokens, req.keys)
+        if promo is None:
+            return None
+        job = PendingPromotion(req, call, pool, promo)
+        self.jobs.append(job)
+        return job
+
+    # ------------------------------------------------------------------
+    # Event loop
+
+    async def serve(self, lock: threading.Lock, send: Callable[[bytes, list[bytes]], None]) -> None:
+        """Run demotions and queued promotions until cancelled (engines under
+        ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._demote_all, lock)
+            jobs = self.jobs
+            while True:
+                while jobs:
+                    tg.start_soon(self._promote, jobs.popleft(), lock, send)
+                await anyio.sleep(_INTERVAL)
+
+    async def _demote_all(self, lock: threading.Lock) -> None:
+        while True:
+            busy = False
+            for pool in list(self._state.pools):
+                if pool.tier is not None:
+                    busy |= await self._demote(pool, lock)
+            if not busy:
+                await anyio.sleep(_INTERVAL)
+
+    async def _demote(self, pool: ServedPool, lock: threading.Lock) -> bool:
+        """Copy one batch of ``pool``'s demotions; whether there was any."""
+        tier, store = pool.engine.tier, pool.tier
+        assert tier is not None and store is not None
+        with lock:
+            batch = tier.demotions(_DEMOTE_BATCH)
+        if not batch:
+            return False
+        ok = await anyio.to_thread.run_sync(self._copy_out, pool, batch)
+        with lock:
+            tier.demoted(batch, ok)
+            self._publish(pool)
+        return True
+
+    def _copy_out(self, pool: ServedPool, batch: list[Demotion]) -> bool:
+        assert pool.tier is not None
+        blocks = [d.block_id for d in batch]
+        return self._copy(pool, pool.tier.store, blocks, [d.slot for d in batch], batch)
+
+    def _copy_in(self, pool: ServedPool, promo: Promotion) -> bool:
+        assert pool.tier is not None
+        slots = [s for s, _ in promo.pairs]
+        return self._copy(pool, pool.tier.load, slots, [b for _, b in promo.pairs], promo)
+
+    def _copy(
+        self,
+        pool: ServedPool,
+        move: Callable[[list[int], list[int], list[bytes]], int],
+        src: list[int],
+        dst: list[int],
+        what: list[Demotion] | Promotion,
+    ) -> bool:
+        """One copy (worker thread): True when every byte moved."""
+        keys = what.keys if isinstance(what, Promotion) else [d.key for d in what]
+        try:
+            moved = move(src, dst, keys)
+        except Exception:
+            log.exception("tier_copy_failed", pool=pool.name, blocks=len(src))
+            with self._counts_lock:
+                self._failed[pool.name] += 1
+            return False
+        with self._counts_lock:
+            self._moved[pool.name] += moved
+        return True
+
+    async def _promote(
+        self,
+        job: PendingPromotion,
+        lock: threading.Lock,
+        send: Callable[[bytes, list[bytes]], None],
+    ) -> None:
+        t0 = time.perf_counter()
+        ok = await anyio.to_thread.run_sync(self._copy_in, job.pool, job.promotion)
+        self._promote_s[job.pool.name].append(time.perf_counter() - t0)
+        with lock:
+            tier = job.pool.engine.tier
+            assert tier is not None
+            tier.promoted(job.promotion, ok)
+            frames = self._finish(job)
+        send(job.call.identity, frames)
+
+    def _publish(self, pool: ServedPool) -> None:
+        """Hand ``pool``'s engine events to the publisher (under the lock)."""
+        if self._on_events is not None:
+            events = pool.engine.drain_events()
+            if events:
+                self._on_events(pool.name, events)
+
+    # ------------------------------------------------------------------
+    # Stats (under the request lock)
+
+    def stats(self) -> dict[str, Any]:
+        """The ``tiers`` stats section: per pool with a tier, its counters in
+        blocks and bytes (``bytes_moved``: both directions)."""
+        out: dict[str, Any] = {}
+        for pool in self._state.pools:
+            if pool.tier is None or pool.engine.tier is None:
+                continue
+            timings = sorted(self._promote_s[pool.name])
+            counts = pool.engine.tier.snapshot()
+            per_block = pool.tier.block_bytes
+            out[pool.name] = {
+                "tier": 1,
+                **pool.tier.info(),
+                **counts.to_dict(),
+                "bytes": counts.blocks * per_block,
+                "capacity_bytes": counts.capacity * per_block,
+                "bytes_moved": self._moved[pool.name],
+                "copy_failures": self._failed[pool.name],
+                "promotion_ms_p50": (
+                    round(timings[len(timings) // 2] * 1e3, 3) if timings else 0.0
+                ),
+            }
+        return out
