@@ -97,6 +97,8 @@ log = logging.getLogger("vllm.kvd")
 
 #: Waiting requests whose cached prefixes one step looks up (and holds) at most.
 LOOKAHEAD = 32
+#: Spare ids kept beyond a step's demand (vLLM's own lookahead slots).
+SLACK = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +323,7 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
     an id it cannot have.
     """
 
-    def __init__(self, *args: Any, link: Link, spare_target: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, link: Link, spare_target: int | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.free_block_queue = FreeKVCacheBlockQueue([])
         self.link = link
@@ -447,21 +449,29 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             if key == id(output):
                 done[0] = True
 
-    def sync(self, waiting: Iterable[Request]) -> None:
-        """One kvd batch before a step: publish, release, look up ``waiting``'s prefixes, top up."""
+    def sync(self, waiting: Iterable[Request], running: int, budget_tokens: int) -> None:
+        """One kvd batch before a step: publish, release, look up ``waiting``'s prefixes, top up.
+
+        The spare ids are topped up to what the step may take: a block per
+        ``running`` request and the uncached blocks of the first waiting
+        ones, within ``budget_tokens`` (or the fixed ``spare_target``).
+        """
         pubs: list[_Publish] = []
         while self._steps and self._steps[0][2][0]:
             pubs += self._steps.popleft()[1]
-        wanted, lookups = self._wanted(waiting)
+        wanted, lookups, demand = self._wanted(waiting, -(-budget_tokens // self.hash_block_size))
+        target = self.spare_target
+        if target is None:
+            target = running + demand + SLACK
         for pub in pubs:
             self.unpublished.difference_update(pub.blocks)
         for bid in [b for b in self.idle if b not in wanted and b not in self.unpublished]:
             self._drop(self.idle.pop(bid))
         spare = self.get_num_free_blocks()
-        if spare > 2 * self.spare_target:
-            extra = self.free_block_queue.popleft_n(spare - self.spare_target)
+        if spare > 2 * target:
+            extra = self.free_block_queue.popleft_n(spare - target)
             self._released += [b.block_id for b in extra]
-        deficit = self.spare_target - self.get_num_free_blocks()
+        deficit = target - self.get_num_free_blocks()
         released, self._released = self._released, []
         result = self.link.call("step", lambda c: self._send(c, pubs, released, lookups, deficit))
         if result is None:  # kvd unreachable: publish and look up again next step
@@ -473,11 +483,17 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             for req, _ in lookups:
                 self._looked.discard(req.request_id)
 
-    def _wanted(self, waiting: Iterable[Request]) -> tuple[set[int], list[tuple[Request, int]]]:
-        """Idle ids the first waiting requests match here; those to look up (from block i)."""
+    def _wanted(
+        self, waiting: Iterable[Request], budget: int
+    ) -> tuple[set[int], list[tuple[Request, int]], int]:
+        """Idle ids the first waiting requests match here, those to look up (from block
+        i), and the blocks they would take beyond their local hits (up to ``budget``)."""
         wanted: set[int] = set()
         lookups = []
+        demand = 0
+        looked = set()
         for req in islice(waiting, LOOKAHEAD):
+            looked.add(req.request_id)
             cap = (req.num_tokens - 1) // self.hash_block_size
             hashes = req.block_hashes[:cap]
             i = 0
@@ -487,10 +503,11 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
                     break
                 wanted.add(got[0].block_id)
                 i += 1
+            demand += min(max(0, budget - demand), -(-req.num_tokens // self.hash_block_size) - i)
             if i < len(hashes) and req.request_id not in self._looked:
-                self._looked.add(req.request_id)
                 lookups.append((req, i))
-        return wanted, lookups
+        self._looked = looked  # requests gone from the queue's head are asked again later
+        return wanted, lookups, demand
 
     def _send(
         self,
@@ -646,11 +663,7 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
             )
 
         link = Link(connect, retry_s=settings.retry_s)
-        sched = vllm_config.scheduler_config
-        block_size = layout.block_size
         target = settings.spare_blocks
-        if target is None:  # one step's tokens plus one block per running request
-            target = -(-sched.max_num_batched_tokens // block_size) + sched.max_num_seqs
 
         def factory(*a: Any, **k: Any) -> KvdBlockPool:
             return KvdBlockPool(*a, link=link, spare_target=target, **k)
@@ -660,10 +673,11 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
         pool = self.kv_cache_manager.block_pool
         assert isinstance(pool, KvdBlockPool), type(pool)
         self.kvd_pool = pool
-        log.info("kvd shared mode: pool %r, spare target %d blocks", name, target)
+        log.info("kvd shared mode: pool %r, spare %s", name, target or "per step")
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self.kvd_pool.sync(self.waiting)
+        budget = self.scheduler_config.max_num_batched_tokens
+        self.kvd_pool.sync(self.waiting, len(self.running), budget)
         out = super().schedule(*args, **kwargs)
         self.kvd_pool.end_step(out)
         return out
