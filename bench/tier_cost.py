@@ -1,0 +1,161 @@
+"""What a tier-1 promotion costs beside recomputing the prefill with the example model.
+
+A real daemon serves one pool of the example model's layout (``examples/kvd_llm``,
+size ``demo``: 8 layers, 2 KV heads of 64, fp32) over a tier of 4x its blocks.
+Client A commits a ``--tokens`` prompt and frees it; once tier 1 holds its blocks,
+another prompt pushes them out of the pool; client B then allocates the prompt
+again, and the daemon promotes every block of the prefix from the tier before its
+reply. Timed: B's allocate round trip with the promotion (median of ``rounds``),
+the same allocate when the prefix is still in the pool (a plain hit), and the
+model's own prefill of those tokens without kvd (``forward_reference``, median of
+``rounds`` after a warm-up). Nothing asserts on time: the figures are ratios.
+
+Run: ``.venv/bin/python -m bench.replay --promotion`` (or ``-m bench.tier_cost``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from kvd_client import Client
+
+from bench._common import Figure, run_daemon
+
+__all__ = ["PromotionCost", "describe", "figures", "measure"]
+
+_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: How long the background demotion may take before the run gives up (a bound, not a figure).
+_SETTLE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionCost:
+    """Medians in seconds for ``tokens`` prompt tokens (``blocks`` promoted each time)."""
+
+    tokens: int
+    blocks: int
+    block_bytes: int
+    promote_s: float
+    hit_s: float
+    prefill_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """The example model's prefill speed."""
+        return self.tokens / self.prefill_s
+
+
+def _prefill_seconds(tokens: int, rounds: int) -> float:
+    """Median time of the example model's prefill of ``tokens`` tokens (no kvd)."""
+    if str(_EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(_EXAMPLES))
+    import torch
+    from kvd_llm.model import SIZES, TinyLlama
+
+    torch.set_num_threads(1)  # as the demo's figures: threads wait on each other on 2 cores
+    model = TinyLlama(SIZES["demo"]).eval()
+    ids = torch.randint(0, SIZES["demo"].vocab_size, (tokens,), generator=torch.Generator())
+    times = []
+    with torch.inference_mode():
+        model.forward_reference(ids)  # warm-up: torch's first-use costs
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            model.forward_reference(ids)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _wait_demoted(kv: Client, blocks: int) -> None:
+    deadline = time.monotonic() + _SETTLE_S
+    while time.monotonic() < deadline:
+        if kv.stats(["tiers"])["tiers"]["default"]["demotions"] >= blocks:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"tier 1 did not take {blocks} blocks within {_SETTLE_S} s")
+
+
+def measure(tokens: int = 1024, rounds: int = 5) -> PromotionCost:
+    """Promotion, plain hit and recompute of a ``tokens``-token prompt (see the module)."""
+    if str(_EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(_EXAMPLES))
+    from kvd_llm.model import SIZES
+
+    layout = SIZES["demo"].layout(num_blocks=1)
+    bs = layout.block_size
+    blocks = tokens // bs
+    pool = {
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+        "block_size": bs,
+        "num_blocks": blocks + 2,
+        "tier_blocks": 4 * (blocks + 2),
+    }
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, tokens + 1, dtype=np.int32)
+    other = rng.integers(256, 512, (blocks + 2) * bs, dtype=np.int32)
+    promote, hit = [], []
+    with run_daemon(pool) as daemon, Client.connect(daemon.address, name="bench-tier") as kv:
+        seq = kv.allocate("a", prompt)
+        seq.commit()
+        seq.free()
+        _wait_demoted(kv, blocks)
+        for _ in range(rounds):
+            kv.allocate("evict", other).free()  # the whole pool: the prefix leaves it
+            t0 = time.perf_counter()
+            seq = kv.allocate("b", prompt)
+            promote.append(time.perf_counter() - t0)
+            assert seq.num_cached_tokens == blocks * bs, seq.num_cached_tokens
+            seq.free()
+            t0 = time.perf_counter()
+            seq = kv.allocate("b", prompt)
+            hit.append(time.perf_counter() - t0)
+            seq.free()
+    return PromotionCost(
+        tokens=blocks * bs,
+        blocks=blocks,
+        block_bytes=layout.num_layers * layout.page_bytes,
+        promote_s=statistics.median(promote),
+        hit_s=statistics.median(hit),
+        prefill_s=_prefill_seconds(blocks * bs, rounds),
+    )
+
+
+def figures(cost: PromotionCost) -> list[Figure]:
+    """The recompute a promotion saves beside the promotion (score: how many
+    times cheaper the promotion is; target: cheaper at all)."""
+    size = cost.blocks * cost.block_bytes / 2**20
+    return [
+        Figure(
+            f"recompute {cost.tokens} tokens (example model)",
+            cost.prefill_s * 1e3,
+            "ms",
+            f"allocate promoting them ({size:.0f} MiB)",
+            cost.promote_s * 1e3,
+            1.0,
+        )
+    ]
+
+
+def describe(cost: PromotionCost) -> str:
+    """The figures' context in one line: the plain hit, the copy rate, the model's speed."""
+    size = cost.blocks * cost.block_bytes
+    return (
+        f"promotion {cost.promote_s * 1e3:.2f} ms ({size / cost.promote_s / 1e9:.2f} GB/s "
+        f"through the round trip), plain pool hit {cost.hit_s * 1e3:.2f} ms, example model "
+        f"prefill {cost.prefill_s * 1e3:.1f} ms = {cost.prefill_tokens_per_s:,.0f} tokens/s"
+    )
+
+
+if __name__ == "__main__":
+    from bench._common import machine, print_table
+
+    measured = measure()
+    print(describe(measured))
+    print_table(f"tier 1 promotion ({machine()})", figures(measured))
