@@ -29,6 +29,15 @@ def demote_all(eng: Checked) -> int:
     return int(eng.tier.demoted(done, True))
 
 
+def pushed_out(eng: Checked, tokens: int) -> None:
+    """``tokens`` ids from 0 cached, copied to the tier, then evicted from the
+    4-block pool by another prompt that takes all of it."""
+    cached(eng, "a", tokens)
+    demote_all(eng)
+    eng.allocate(1, "b", toks(4 * BS, 100))
+    eng.free(1, "b")
+
+
 def test_committed_blocks_are_offered_for_demotion(tiered: Checked) -> None:
     cached(tiered, "a", 2 * BS + 1)
     assert demote_all(tiered) == 2
@@ -68,10 +77,7 @@ def test_demotion_emits_a_tier_stored_event(tiered: Checked) -> None:
 
 
 def test_an_evicted_prefix_continues_into_the_tier(tiered: Checked) -> None:
-    cached(tiered, "a", 2 * BS + 1)
-    demote_all(tiered)
-    tiered.allocate(1, "b", toks(4 * BS, 100))  # evicts "a"'s blocks from the pool
-    tiered.free(1, "b")
+    pushed_out(tiered, 2 * BS + 1)
     promo = tiered.promote(1, "c", toks(2 * BS + 1))
     assert promo is not None and len(promo.pairs) == 2
     assert tiered.tier.promoted(promo, True) == 2
@@ -107,10 +113,7 @@ def test_promotion_of_bad_keys_changes_nothing(tiered: Checked) -> None:
 
 
 def test_promoting_blocks_outlive_a_session_that_closes(tiered: Checked) -> None:
-    cached(tiered, "a", 2 * BS + 1)
-    demote_all(tiered)
-    tiered.allocate(1, "b", toks(4 * BS, 100))
-    tiered.free(1, "b")
+    pushed_out(tiered, 2 * BS + 1)
     promo = tiered.promote(1, "c", toks(2 * BS + 1))
     assert promo is not None
     tiered.close_session(1)
@@ -122,10 +125,7 @@ def test_promoting_blocks_outlive_a_session_that_closes(tiered: Checked) -> None
 
 def test_entries_being_read_are_not_evicted(make_engine: MakeEngine) -> None:
     eng = make_engine(num_blocks=4, tier_blocks=2, eviction="lru")
-    cached(eng, "a", 2 * BS + 1)
-    demote_all(eng)
-    eng.allocate(1, "b", toks(4 * BS, 100))
-    eng.free(1, "b")
+    pushed_out(eng, 2 * BS + 1)
     promo = eng.promote(1, "c", toks(2 * BS + 1))
     assert promo is not None
     eng.allocate(1, "d", toks(BS + 1, 300))

@@ -11,7 +11,7 @@ block handed out before its copy, fails the run.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
@@ -102,10 +102,5 @@ class TierEngineMachine(EngineMachine):
         self.allocate_as(sid, seq, tokens, None, True)
 
 
-TierEngineMachine.TestCase.settings = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TierEngineMachine.TestCase.settings = settings(EngineMachine.TestCase.settings, max_examples=300)
 TestTierEngineMachine = TierEngineMachine.TestCase
