@@ -18,7 +18,9 @@ counts, is documented there):
   request (the daemon's copies run at GB/s between requests; ``lost`` copies are
   the exception) and a prefix that continues there promoted before its allocate;
   beside it LRU and the optimum with the pool and the tier's blocks together
-  (``(1+F)x``), which a single-level cache of that size would reach.
+  (``(1+F)x``), which a single-level cache of that size would reach, and LRU
+  at the tier's size alone (``Fx``: the tier is inclusive, so that is the
+  one-level cache it matches).
 - ``--promotion``: what a promotion costs beside recomputing the prefill with the
   example model (``bench/tier_cost.py``), measured in the same run.
 
@@ -192,6 +194,8 @@ def run(
             f"kvd + tier 1 ({tier_factor}x)": functools.partial(
                 replay_kvd_tier, factor=tier_factor
             ),
+            # The tier is inclusive (the pool's blocks are in it too): one level of its size.
+            f"LRU ({tier_factor}x)": lambda trace, cap: simulate_lru(trace, tier_factor * cap),
             f"LRU ({total}x)": lambda trace, cap: simulate_lru(trace, total * cap),
             f"optimum ({total}x)": lambda trace, cap: simulate_optimum(trace, total * cap),
         }
