@@ -24,7 +24,7 @@ pytest.importorskip(
 
 from kvd_client import Client
 from kvd_client.errors import LayoutMismatch
-from kvd_client.integrations.vllm_plan import paged_layout, pool_name
+from kvd_client.integrations.vllm_plan import model_digest
 
 from tests.vllm.support import LlamaSpec, VllmFailed, prompt_tokens, start_vllm, tiny_llama
 
@@ -33,17 +33,6 @@ BLOCK_SIZE = 32
 MAX_LEN = 8192
 #: The tiny Llama, long enough for the prefix and its tail.
 SPEC = LlamaSpec(max_position_embeddings=MAX_LEN)
-#: The pool the connector creates for SPEC (2 layers, 2 KV heads of 64, fp32).
-LAYOUT = paged_layout(
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=64,
-    dtype="float32",
-    block_size=BLOCK_SIZE,
-    engine="vllm/0.32.0/cpu/LBHNC",
-    num_blocks=1024,
-)
-POOL = pool_name(LAYOUT)
 
 
 def kvd_connector(address: str, **extra: Any) -> dict[str, Any]:
@@ -56,10 +45,15 @@ def kvd_connector(address: str, **extra: Any) -> dict[str, Any]:
 
 
 def _pool_stats(address: str) -> dict[str, Any]:
-    """``pools.<POOL>`` of kvd's stats, with its ``blocks`` section beside."""
+    """The connector's pool ``vllm-…`` in kvd's stats, its ``blocks`` section beside.
+
+    Its name is a digest of the layout, whose format names the model (the
+    pool of another model is never this one): found, not computed here.
+    """
     with Client.connect(address, pool=None) as kv:
         stats = kv.stats()
-    return {**stats["pools"][POOL], "blocks": stats["blocks"][POOL]}
+    (name,) = [n for n in stats["pools"] if n.startswith("vllm-")]
+    return {**stats["pools"][name], "blocks": stats["blocks"][name], "name": name}
 
 
 def _wait_no_holds(address: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -105,9 +99,13 @@ def test_a_second_process_loads_the_prefix_from_kvd(kvd_daemon: Any) -> None:
     )
 
     # A client expecting kvd's own layout is refused this pool of vLLM pages.
-    kvd_own = dataclasses.replace(LAYOUT, order="layer_major", format="")
+    pool = after_b["name"]
+    with Client.connect(kvd_daemon.address, pool=pool) as kv:
+        digest = model_digest(str(model), None, "torch.float32")
+        assert kv.layout is not None and f"/LBHNC/{digest}/" in kv.layout.format, kv.layout
+        kvd_own = dataclasses.replace(kv.layout, order="layer_major", format="")
     with pytest.raises(LayoutMismatch, match="layout differs"):
-        Client.connect(kvd_daemon.address, pool=POOL, layout=kvd_own)
+        Client.connect(kvd_daemon.address, pool=pool, layout=kvd_own)
 
 
 @pytest.mark.timeout(900)

@@ -93,6 +93,11 @@ def _wait_no_holds(address: str, timeout: float = 10.0) -> dict[str, Any]:
         time.sleep(0.2)
 
 
+def _kvd_lines(stderr: str) -> str:
+    """vLLM's log lines of the kvd integration (assertion messages)."""
+    return "\n".join(line for line in stderr.splitlines() if "kvd" in line)
+
+
 def _noise(address: str, name: str, tokens: list[int]) -> int:
     """Write noise into the pool's blocks of ``tokens``' cached prefix; how many blocks."""
     with Client.connect(address, pool=name) as kv:
@@ -118,8 +123,10 @@ def test_a_second_process_reads_the_prefix_in_place(kvd_daemon: Any) -> None:
     assert after_a["holds"] == 0, after_a  # A is gone: its blocks are cached, not held
     assert after_a["blocks"]["evictable"] >= PREFIX // BLOCK_SIZE, after_a
 
-    (rb,) = _run(model, [prompt], kvd_daemon.address, 512).result()["requests"]
-    assert rb["num_cached_tokens"] == PREFIX, rb  # B's own cache was empty: kvd's blocks
+    b = _run(model, [prompt], kvd_daemon.address, 512).result()
+    (rb,) = b["requests"]
+    # B's own cache was empty: kvd's blocks.
+    assert rb["num_cached_tokens"] == PREFIX, (rb, _kvd_lines(b["stderr"]))
     assert rb["output_token_ids"] == ra["output_token_ids"] == rc["output_token_ids"]
     assert _wait_no_holds(kvd_daemon.address)["holds"] == 0
 

@@ -72,6 +72,7 @@ from kvd_client.integrations.vllm_plan import (
     WorkerSide,
     as_pages,
     describe,
+    model_digest,
     paged_layout,
     pool_name,
     same_but_size,
@@ -90,6 +91,11 @@ __all__ = ["KvdAsyncScheduler", "KvdConnector", "KvdConnectorMetadata", "KvdSche
 
 #: A child of vLLM's logger, so these lines show with vLLM's own (its handler, its level).
 log = logging.getLogger("vllm.kvd")
+
+
+def _model(vllm_config: VllmConfig) -> str:
+    m = vllm_config.model_config
+    return model_digest(m.model, m.revision, m.dtype)
 
 
 class KvdConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -159,7 +165,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             head_size=spec.head_size,
             dtype=str(spec.dtype).removeprefix("torch."),
             block_size=spec.block_size,
-            engine=f"vllm/{vllm.__version__}/cpu/LBHNC",
+            engine=f"vllm/{vllm.__version__}/cpu/LBHNC/{_model(vllm_config)}",
             num_blocks=None if num_blocks is None else int(num_blocks),
             pool_bytes=None if pool_bytes is None else int(pool_bytes),
         )

@@ -51,6 +51,7 @@ __all__ = [
     "SchedulerPlan",
     "StepPlan",
     "copy_pages",
+    "model_digest",
     "paged_layout",
     "paired_runs",
     "pool_name",
@@ -93,6 +94,12 @@ def paged_layout(
                 f"kvd_pool_bytes={budget} holds no block of {probe.kv_bytes_per_block} bytes"
             )
     return replace(probe, num_blocks=num_blocks)
+
+
+def model_digest(model: str, revision: str | None, dtype: object) -> str:
+    """16 hex of the model's identity, in a pool's format: two models whose KV has
+    the same geometry never share a pool (their keys are the same token hashes)."""
+    return hashlib.sha256(f"{model}|{revision}|{dtype}".encode()).hexdigest()[:16]
 
 
 def pool_name(layout: PoolLayout) -> str:

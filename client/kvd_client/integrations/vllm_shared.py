@@ -45,7 +45,6 @@ A daemon restart ends the process (its KV buffer was the old pool).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,7 +71,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvd_client.client import Client
 from kvd_client.errors import KvdError, LayoutMismatch, OutOfBlocks, QuotaExceeded
-from kvd_client.integrations.vllm_plan import Link, describe, paged_layout, pool_name
+from kvd_client.integrations.vllm_plan import (
+    Link,
+    describe,
+    model_digest,
+    paged_layout,
+    pool_name,
+)
 from kvd_client.pool import ShmPages
 from kvd_client.wire import PoolLayout
 
@@ -166,8 +171,7 @@ def shared_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Po
     """
     spec = _check_config(vllm_config, kv_cache_config)
     model = vllm_config.model_config
-    ident = f"{model.model}|{model.revision}|{model.dtype}|tp0of1"
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    digest = model_digest(model.model, model.revision, model.dtype)
     dtype = str(spec.dtype).removeprefix("torch.")
     return paged_layout(
         num_layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
@@ -175,7 +179,7 @@ def shared_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Po
         head_size=spec.head_size,
         dtype=dtype,
         block_size=spec.block_size,
-        engine=f"vllm/{vllm.__version__}/cpu/LBHNC/shared/{digest}",
+        engine=f"vllm/{vllm.__version__}/cpu/LBHNC/shared/tp0of1/{digest}",
         num_blocks=kv_cache_config.num_blocks,
     )
 
@@ -673,6 +677,7 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
         pool = self.kv_cache_manager.block_pool
         assert isinstance(pool, KvdBlockPool), type(pool)
         self.kvd_pool = pool
+        link.call("connect", lambda c: None)  # now, not in the first step's time
         log.info("kvd shared mode: pool %r, spare %s", name, target or "per step")
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
