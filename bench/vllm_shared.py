@@ -110,7 +110,6 @@ def main() -> None:
     ]
     for name, value, anchor, goal in rows:
         print(f"{name:52} {value:9.3f}s {anchor:9.3f}s {value / anchor:7.3f} {goal}")
-    print(f"{'bytes copied by shared B':52} {0:10d} {'-':>10} {'-':>7} 0")
     mib = per_block / (1 << 20)
     print(
         f"{f'node KV for {args.processes} processes, shared vs private (MiB)':52} "

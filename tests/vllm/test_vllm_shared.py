@@ -62,7 +62,7 @@ def _run(model: Any, prompts: list[list[int]], address: str | None, blocks: int,
         model,
         prompts,
         block_size=BLOCK_SIZE,
-        max_model_len=MAX_LEN,
+        max_model_len=kw.pop("max_model_len", MAX_LEN),
         max_tokens=kw.pop("max_tokens", 16),
         llm_kwargs=llm_kwargs,
         **kw,
@@ -214,9 +214,10 @@ def test_processes_at_once_share_prefixes_evict_and_survive_a_sigkill(kvd_daemon
     head = prompt_tokens(512, salt=40)
     prompts = [head + prompt_tokens(544, salt=41 + i) for i in range(8)]
     mine = {"max_num_seqs": 2}
-    cold = _run(model, prompts, None, 0, llm_kwargs=mine)
-    a = _run(model, prompts, kvd_daemon.address, 160, llm_kwargs=mine)
-    b = _run(model, prompts[::-1], kvd_daemon.address, 160, llm_kwargs=mine)
+    small: dict[str, Any] = {"llm_kwargs": mine, "max_model_len": 2048}
+    cold = _run(model, prompts, None, 0, **small)
+    a = _run(model, prompts, kvd_daemon.address, 160, **small)
+    b = _run(model, prompts[::-1], kvd_daemon.address, 160, **small)
     want = [r["output_token_ids"] for r in cold.result()["requests"]]
     got_a = [r["output_token_ids"] for r in a.result()["requests"]]
     got_b = [r["output_token_ids"] for r in b.result()["requests"]]
@@ -226,8 +227,8 @@ def test_processes_at_once_share_prefixes_evict_and_survive_a_sigkill(kvd_daemon
     assert stats["prefix"]["evictions"] > 0, stats  # the pool was too small for both
 
     # D is killed while it holds blocks; E runs on and ends with cold's outputs.
-    d = _run(model, prompts * 4, kvd_daemon.address, 160, llm_kwargs=mine, max_tokens=64)
-    e = _run(model, prompts, kvd_daemon.address, 160, llm_kwargs=mine)
+    d = _run(model, prompts * 4, kvd_daemon.address, 160, **small, max_tokens=64)
+    e = _run(model, prompts, kvd_daemon.address, 160, **small)
     deadline = time.monotonic() + 240
     while _the_pool(kvd_daemon.address)[1]["holds"] == 0:
         assert d.proc.poll() is None, "D ended before it held anything"

@@ -465,8 +465,8 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             pubs += self._steps.popleft()[1]
         wanted, lookups, demand = self._wanted(waiting, -(-budget_tokens // self.hash_block_size))
         target = self.spare_target
-        if target is None:
-            target = running + demand + SLACK
+        if target is None:  # an idle process (nothing to run) keeps no reserve
+            target = running + demand + SLACK if running or demand else 0
         for pub in pubs:
             self.unpublished.difference_update(pub.blocks)
         for bid in [b for b in self.idle if b not in wanted and b not in self.unpublished]:
@@ -692,6 +692,11 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
     ) -> Any:
         result = super().update_from_output(scheduler_output, *args, **kwargs)
         self.kvd_pool.written(scheduler_output)
+        if not self.has_unfinished_requests():
+            # No next step to carry the batch: publish the last blocks and
+            # give back the reserve and the cached blocks now, not when the
+            # next request comes.
+            self.kvd_pool.sync((), 0, 0)
         return result
 
     def shutdown(self) -> None:
