@@ -116,15 +116,20 @@ def _noise(address: str, name: str, tokens: list[int]) -> int:
 def test_a_second_process_reads_the_prefix_in_place(kvd_daemon: Any) -> None:
     model = tiny_llama(SPEC)
     prompt = prompt_tokens(PREFIX) + prompt_tokens(9, salt=1)
-    a = _run(model, [prompt], kvd_daemon.address, 512)
+    # A on vLLM's async scheduler, B on its plain one: KvdScheduler takes either.
+    a = _run(model, [prompt], kvd_daemon.address, 512, llm_kwargs={"async_scheduling": True})
     cold = _run(model, [prompt], None, 0)
-    (ra,), (rc,) = a.result()["requests"], cold.result()["requests"]
+    a_out = a.result()
+    (ra,), (rc,) = a_out["requests"], cold.result()["requests"]
+    assert "kvd shared mode: KvdAsyncScheduler" in a_out["stderr"], _kvd_lines(a_out["stderr"])
     name, after_a = _the_pool(kvd_daemon.address)
     assert after_a["holds"] == 0, after_a  # A is gone: its blocks are cached, not held
     assert after_a["blocks"]["evictable"] >= PREFIX // BLOCK_SIZE, after_a
 
-    b = _run(model, [prompt], kvd_daemon.address, 512).result()
+    b = _run(model, [prompt], kvd_daemon.address, 512, llm_kwargs={"async_scheduling": False})
+    b = b.result()
     (rb,) = b["requests"]
+    assert "kvd shared mode: KvdScheduler" in b["stderr"], _kvd_lines(b["stderr"])
     # B's own cache was empty: kvd's blocks.
     assert rb["num_cached_tokens"] == PREFIX, (rb, _kvd_lines(b["stderr"]))
     assert rb["output_token_ids"] == ra["output_token_ids"] == rc["output_token_ids"]

@@ -678,7 +678,12 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
         assert isinstance(pool, KvdBlockPool), type(pool)
         self.kvd_pool = pool
         link.call("connect", lambda c: None)  # now, not in the first step's time
-        log.info("kvd shared mode: pool %r, spare %s", name, target or "per step")
+        log.info(
+            "kvd shared mode: %s, pool %r, spare %s",
+            type(self).__name__,
+            name,
+            target or "per step",
+        )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         budget = self.scheduler_config.max_num_batched_tokens
