@@ -312,7 +312,8 @@ class PoolConfig:
     hugepages: bool = False
     #: GPU index of a ``cuda`` pool (ignored by ``shm``).
     device: int = 0
-    #: Blocks of the pool's tier 1, a host-memory segment of its own (0: no tier).
+    #: Blocks of the pool's tier 1 in host memory (shm: a segment of its own; cuda:
+    #: pinned memory); 0: no tier.
     tier_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -339,8 +340,6 @@ class PoolConfig:
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.device >= 0, "device", "must be a GPU index >= 0")
         _require(self.tier_blocks >= 0, "tier_blocks", "must be >= 0")
-        # A cuda pool's tier needs pinned host memory and device copies (not built yet).
-        _require(not self.tier_blocks or self.backend == "shm", "tier_blocks", "needs an shm pool")
 
     @property
     def layout(self) -> PoolLayout:

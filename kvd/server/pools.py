@@ -31,6 +31,8 @@ from kvd.errors import (
 )
 from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memory
 from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
+from kvd.memory.cuda import CudaAllocation
+from kvd.memory.cuda_tier import PinnedHostTier
 from kvd.memory.shm import ShmSegment
 from kvd.memory.tier import HostTier, TierStore, tier_layout
 
@@ -126,9 +128,11 @@ class Pools:
             place = f"{pool.backend} ({cap.where})"
             free[place] = cap.bytes
             requests.append(PoolRequest(pool.name, place, pool.layout.total_bytes))
-            if pool.tier_blocks:
+            if pool.tier_blocks:  # host memory, whatever the pool's backend
+                host = backend_capacity("shm", shm_dir=mem.shm_dir)
                 size = tier_layout(pool.layout, pool.tier_blocks).total_bytes
-                requests.append(PoolRequest(f"{pool.name} tier 1", place, size))
+                free[f"shm ({host.where})"] = host.bytes
+                requests.append(PoolRequest(f"{pool.name} tier 1", f"shm ({host.where})", size))
         refused = [d.message for d in budget.plan(requests, free) if not d.ok]
         if refused:
             raise StartupError("; ".join(refused))
@@ -146,16 +150,18 @@ class Pools:
             device=pool.device,
             headroom_bytes=mem.headroom_bytes,
         )
-        tier = None
-        if pool.tier_blocks:
-            assert isinstance(memory, ShmSegment)  # PoolConfig: tiers are for shm pools
-            try:
+        tier: TierStore | None = None
+        try:
+            if pool.tier_blocks and isinstance(memory, CudaAllocation):
+                tier = PinnedHostTier.create(memory, pool.tier_blocks)
+            elif pool.tier_blocks:
+                assert isinstance(memory, ShmSegment)
                 tier = HostTier.create(
                     pool.name, pool.layout, memory.buffer(), pool.tier_blocks, **opts
                 )
-            except BaseException:
-                memory.close()
-                raise
+        except BaseException:
+            memory.close()
+            raise
         return ServedPool(pool, self._engine(pool), memory, runtime=runtime, tier=tier)
 
     def _engine(self, pool: PoolConfig) -> Engine:
