@@ -10,8 +10,8 @@ that becomes cached (commit, publish) is noted, `demotions` hands out
 (pool block, tier slot) pairs, and `demoted` records those whose copy
 finished. A copy counts only if its block was not taken by an allocation
 while it ran (`void` is called on every eviction, under the engine's lock,
-before the taker's reply can let anyone write) and its namespace was not
-flushed: the pool slot an eviction frees is reused at once, so waiting for
+before the taker's reply can let anyone write), its namespace was not
+flushed and the block still holds the key it was copied under: the pool slot an eviction frees is reused at once, so waiting for
 the eviction to copy would be too late. A cached block is immutable (writes
 into shared or cached blocks copy first), so the copy can read it while it
 is in use.
@@ -231,7 +231,10 @@ class Tier:
             else:
                 d.void = True
             ns = namespaces.get(d.namespace)
-            valid = not d.void and ns is not None and ns.epoch == d.epoch
+            # Still cached under the same key object: never dropped since (a flush
+            # frees a block without an eviction, and a forgotten namespace comes
+            # back at epoch 0, so neither the void nor the epoch alone proves it).
+            valid = not d.void and d.block.key is d.key and ns is not None and ns.epoch == d.epoch
             name = (d.namespace, d.key)
             if not ok or not valid or name in entries:
                 self.free.append(d.slot)

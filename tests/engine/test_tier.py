@@ -162,3 +162,16 @@ def test_a_copy_made_before_a_flush_does_not_count(tiered: Checked) -> None:
     tiered.flush()
     assert tiered.tier.demoted(done, True) == 0
     assert tiered.stats().tier.lost == 1
+
+
+def test_a_copy_of_a_namespace_flushed_and_forgotten_meanwhile_does_not_count(
+    make_engine: MakeEngine,
+) -> None:
+    eng = make_engine(num_blocks=4, tier_blocks=4, eviction="lru", session=False)
+    eng.open_session(1, namespace="x")
+    cached(eng, "a", BS + 1)
+    done = eng.tier.demotions(100)
+    eng.close_session(1)
+    eng.flush("x")  # the namespace is gone; a new one of that name starts at epoch 0
+    eng.open_session(1, namespace="x")
+    assert eng.tier.demoted(done, True) == 0
