@@ -10,7 +10,9 @@ the same allocate when the prefix is still in the pool (a plain hit), and the
 model's own prefill of those tokens without kvd (``forward_reference``, median of
 ``rounds`` after a warm-up). Nothing asserts on time: the figures are ratios.
 
-Run: ``.venv/bin/python -m bench.replay --promotion`` (or ``-m bench.tier_cost``).
+`churn` measures the race of copying ahead of eviction at its worst (each
+request evicting the previous one). Run: ``.venv/bin/python -m bench.tier_cost``
+(both; ``bench.replay --promotion`` prints the promotion beside its trace rows).
 """
 
 from __future__ import annotations
@@ -127,6 +129,50 @@ def measure(tokens: int = 1024, rounds: int = 5) -> PromotionCost:
     )
 
 
+def churn(think_ms: tuple[float, ...] = (0.0, 1.0, 5.0), requests: int = 200) -> list[str]:
+    """How many committed blocks reach tier 1 when each request evicts the last.
+
+    One client, a pool of 70 blocks of the example model's layout over a tier of
+    1,024: every request allocates a new 64-block prompt (evicting the previous
+    one's blocks at once), commits it, waits ``think_ms`` (its decode) and frees
+    it. The lines say how many of the committed blocks were copied in time and
+    how many copies an eviction voided (`TierStats.lost`): the race the
+    design accepts for copying ahead of eviction."""
+    if str(_EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(_EXAMPLES))
+    from kvd_llm.model import SIZES
+
+    layout = SIZES["demo"].layout(num_blocks=1)
+    pool = {
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+        "num_blocks": 70,
+        "tier_blocks": 1024,
+    }
+    lines = []
+    with run_daemon(pool) as daemon, Client.connect(daemon.address, name="bench-churn") as kv:
+        first = 0
+        for think in think_ms:
+            before = kv.stats(["tiers"])["tiers"]["default"]
+            for _ in range(requests):
+                seq = kv.allocate("r", np.arange(first, first + 64 * 16 + 1, dtype=np.int32))
+                first += 100_000
+                seq.commit()
+                time.sleep(think / 1e3)
+                seq.free()
+            time.sleep(0.5)  # the last copies
+            after = kv.stats(["tiers"])["tiers"]["default"]
+            done = after["demotions"] - before["demotions"]
+            lost = after["lost"] - before["lost"]
+            lines.append(
+                f"decode {think:.0f} ms: {done:,} of {64 * requests:,} committed blocks "
+                f"copied ({100 * done / (64 * requests):.0f} %), {lost:,} copies voided"
+            )
+    return lines
+
+
 def figures(cost: PromotionCost) -> list[Figure]:
     """The recompute a promotion saves beside the promotion (score: how many
     times cheaper the promotion is; target: cheaper at all)."""
@@ -158,4 +204,5 @@ if __name__ == "__main__":
 
     measured = measure()
     print(describe(measured))
+    print("\n".join(churn()))
     print_table(f"tier 1 promotion ({machine()})", figures(measured))

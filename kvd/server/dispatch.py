@@ -134,7 +134,7 @@ class Dispatcher:
         limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         seq = SequenceHandlers(limits, self.tiers)
         self._allocate_now = seq.allocate_now
-        holds = HoldHandlers(limits)
+        holds = HoldHandlers(limits, self.tiers)
         self._session_table: dict[int, _SessionHandler] = {
             wire.Kind.HEARTBEAT: self.handshake.heartbeat,
             wire.Kind.GOODBYE: self.handshake.goodbye,

@@ -16,15 +16,17 @@ from kvd.errors import RequestError
 from kvd.server.context import Outcome, SessionCall
 from kvd.server.security import RequestLimits
 from kvd.server.sequences import block_bytes
+from kvd.server.tiers import Tiers
 
 __all__ = ["HoldHandlers"]
 
 
 class HoldHandlers:
-    """The hold kinds' handlers, under ``limits``."""
+    """The hold kinds' handlers, under ``limits``; ``tiers`` copies what a publish caches."""
 
-    def __init__(self, limits: RequestLimits) -> None:
+    def __init__(self, limits: RequestLimits, tiers: Tiers) -> None:
         self.limits = limits
+        self.tiers = tiers
 
     def _check_blocks(self, n: int, call: SessionCall) -> None:
         """TOO_LARGE when ``n`` blocks hold more tokens than one request may name."""
@@ -65,6 +67,8 @@ class HoldHandlers:
             tokens=req.tokens,
             parent=req.parent,
         )
+        if n and call.engine.tier is not None:
+            self.tiers.noted(call)
         return {"published": n}
 
     def release(self, req: wire.ReleaseRequest, call: SessionCall) -> Outcome:

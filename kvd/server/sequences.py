@@ -79,6 +79,8 @@ class SequenceHandlers:
 
     def commit(self, req: wire.CommitRequest, call: SessionCall) -> Outcome:
         c = call.engine.commit(call.session.id, req.seq, req.n)
+        if c.cached_blocks and call.engine.tier is not None:
+            self.tiers.noted(call)
         return {"committed": c.committed, "cached_blocks": c.cached_blocks}
 
     def append(self, req: wire.AppendRequest, call: SessionCall) -> Outcome:

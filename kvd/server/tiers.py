@@ -3,9 +3,10 @@
 The engine (`kvd.engine.tier`) decides what moves; this module moves it,
 in worker threads, and tells the engine under the request lock:
 
-- *Demotion*: every ``_INTERVAL`` the loop takes the engine's pending
-  demotions (blocks that became cached), copies them pool -> tier in a
-  worker thread without the lock, then records them (`Tier.demoted`). A
+- *Demotion*: woken by a commit or publish that cached blocks (`noted`),
+  the loop takes the engine's pending demotions, copies them pool -> tier in
+  a worker thread without the lock, then records them (`Tier.demoted`), and
+  goes on while there are more. A
   block an allocation took while its copy ran does not count: the engine
   voided it when it handed the block out, before the taker's reply left.
 - *Promotion*: an allocate (not in a batch) whose prefix continues into the
@@ -26,7 +27,9 @@ demotion leaves the block uncopied, a failed promotion publishes nothing
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -44,8 +47,8 @@ __all__ = ["PendingPromotion", "Tiers"]
 
 log = structlog.get_logger("kvd.server")
 
-#: How often the loop looks for demotions and queued promotions (seconds).
-_INTERVAL: Final = 0.002
+#: How long the loop's tasks sleep without a wake-up before looking anyway (seconds).
+_IDLE: Final = 0.25
 #: Most blocks copied per demotion batch (bounds the time a batch holds a worker).
 _DEMOTE_BATCH: Final = 256
 
@@ -63,6 +66,41 @@ class PendingPromotion:
         self.pool = pool
         self.promotion = promo
         self.t0 = time.perf_counter()
+
+
+class _Wake:
+    """A wake-up for a loop task, set from any thread without blocking it (the
+    request thread holds the request lock, which the loop may be waiting for)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._set = False
+
+    def bind(self) -> None:
+        """Wake tasks of the running event loop from now on (`Tiers.serve`'s start)."""
+        self._loop, self._event, self._set = asyncio.get_running_loop(), asyncio.Event(), False
+
+    def set(self) -> None:
+        """Wake the task (any thread; once until it runs)."""
+        if self._loop is not None and not self._set:
+            self._set = True
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+                self._loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Until `set` (or `_IDLE` passes)."""
+        assert self._event is not None, "bind first"
+        with anyio.move_on_after(_IDLE):
+            await self._event.wait()
+        # Flag first: a `set` from here on schedules a callback that runs after
+        # this step, so it is never lost.
+        self._set = False
+        self._event.clear()
 
 
 class Tiers:
@@ -88,6 +126,8 @@ class Tiers:
             collections.defaultdict(lambda: collections.deque(maxlen=256))
         )
         self._counts_lock = threading.Lock()
+        self._promote_wake = _Wake()
+        self._demote_wake = _Wake()
 
     # ------------------------------------------------------------------
     # Request thread (under the request lock)
@@ -102,21 +142,33 @@ class Tiers:
             return None
         job = PendingPromotion(req, call, pool, promo)
         self.jobs.append(job)
+        self._promote_wake.set()
         return job
+
+    def noted(self, call: SessionCall) -> None:
+        """A commit or publish of ``call`` may have cached blocks: copy them soon."""
+        tier = call.engine.tier
+        if tier is not None and tier.fresh:
+            self._demote_wake.set()
 
     # ------------------------------------------------------------------
     # Event loop
 
     async def serve(self, lock: threading.Lock, send: Callable[[bytes, list[bytes]], None]) -> None:
         """Run demotions and queued promotions until cancelled (engines under
-        ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox)."""
+        ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox).
+        Returns at once when no pool has a tier (runtime pools never do)."""
+        if not any(pool.tier is not None for pool in self._state.pools):
+            return
+        self._promote_wake.bind()
+        self._demote_wake.bind()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._demote_all, lock)
             jobs = self.jobs
             while True:
                 while jobs:
                     tg.start_soon(self._promote, jobs.popleft(), lock, send)
-                await anyio.sleep(_INTERVAL)
+                await self._promote_wake.wait()
 
     async def _demote_all(self, lock: threading.Lock) -> None:
         while True:
@@ -125,7 +177,7 @@ class Tiers:
                 if pool.tier is not None:
                     busy |= await self._demote(pool, lock)
             if not busy:
-                await anyio.sleep(_INTERVAL)
+                await self._demote_wake.wait()
 
     async def _demote(self, pool: ServedPool, lock: threading.Lock) -> bool:
         """Copy one batch of ``pool``'s demotions; whether there was any."""
