@@ -116,19 +116,16 @@ def _noise(address: str, name: str, tokens: list[int]) -> int:
 def test_a_second_process_reads_the_prefix_in_place(kvd_daemon: Any) -> None:
     model = tiny_llama(SPEC)
     prompt = prompt_tokens(PREFIX) + prompt_tokens(9, salt=1)
-    # A on vLLM's async scheduler, B on its plain one: KvdScheduler takes either.
-    a = _run(model, [prompt], kvd_daemon.address, 512, llm_kwargs={"async_scheduling": True})
+    a = _run(model, [prompt], kvd_daemon.address, 512)
     cold = _run(model, [prompt], None, 0)
-    a_out = a.result()
-    (ra,), (rc,) = a_out["requests"], cold.result()["requests"]
-    assert "kvd shared mode: KvdAsyncScheduler" in a_out["stderr"], _kvd_lines(a_out["stderr"])
+    (ra,), (rc,) = a.result()["requests"], cold.result()["requests"]
     name, after_a = _the_pool(kvd_daemon.address)
     assert after_a["holds"] == 0, after_a  # A is gone: its blocks are cached, not held
     assert after_a["blocks"]["evictable"] >= PREFIX // BLOCK_SIZE, after_a
 
-    b = _run(model, [prompt], kvd_daemon.address, 512, llm_kwargs={"async_scheduling": False})
-    b = b.result()
+    b = _run(model, [prompt], kvd_daemon.address, 512).result()
     (rb,) = b["requests"]
+    # vLLM's CPU platform turns async scheduling off: the plain scheduler's subclass.
     assert "kvd shared mode: KvdScheduler" in b["stderr"], _kvd_lines(b["stderr"])
     # B's own cache was empty: kvd's blocks.
     assert rb["num_cached_tokens"] == PREFIX, (rb, _kvd_lines(b["stderr"]))
@@ -208,6 +205,38 @@ def test_a_block_is_published_only_after_its_step_output(kvd_daemon: Any) -> Non
     manager.free(req)
     pool.sync([], 0, 8192)
     assert set(pool.hold_of) <= set(pool.granted), "cached ids went back to kvd"
+    other.close()
+
+
+def test_async_steps_publish_in_order_of_their_outputs(kvd_daemon: Any) -> None:
+    """vLLM's async scheduler schedules step 2 before step 1's output arrives:
+    each step's blocks publish after its own output, not the other's."""
+    init_none_hash(sha256_cbor)
+    manager, pool, other = _manager(kvd_daemon.address, 256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256_cbor)
+    reqs = [
+        Request(
+            f"r{i}",
+            prompt_tokens(4 * BLOCK_SIZE + 1, salt=60 + i),
+            SamplingParams(),
+            None,
+            block_hasher=hasher,
+        )
+        for i in range(2)
+    ]
+    steps = [object(), object()]
+    for req, step in zip(reqs, steps, strict=True):
+        pool.sync([req], 1, 8192)
+        blocks, hit = manager.get_computed_blocks(req)[:2]
+        assert manager.allocate_slots(req, req.num_tokens, hit, blocks) is not None
+        pool.end_step(step)  # type: ignore[arg-type]
+    keys = [[bytes(h) for h in r.block_hashes] for r in reqs]
+    pool.written(steps[0])  # type: ignore[arg-type]
+    pool.sync([], 2, 8192)
+    assert [other.lookup(k).cached for k in keys] == [4, 0]
+    pool.written(steps[1])  # type: ignore[arg-type]
+    pool.sync([], 2, 8192)
+    assert [other.lookup(k).cached for k in keys] == [4, 4]
     other.close()
 
 
