@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from kvd_client import Client
@@ -52,16 +53,31 @@ class PromotionCost:
         return self.tokens / self.prefill_s
 
 
-def _prefill_seconds(tokens: int, rounds: int) -> float:
-    """Median time of the example model's prefill of ``tokens`` tokens (no kvd)."""
+def _example_model() -> Any:
+    """``examples/kvd_llm/model.py`` (the examples are not a package of the repository)."""
     if str(_EXAMPLES) not in sys.path:
         sys.path.insert(0, str(_EXAMPLES))
-    import torch
-    from kvd_llm.model import SIZES, TinyLlama
+    import kvd_llm.model
 
+    return kvd_llm.model
+
+
+def _pool(num_blocks: int, tier_blocks: int) -> dict[str, object]:
+    """The ``[[pools]]`` keys of a pool of the example model's layout with a tier."""
+    layout = _example_model().SIZES["demo"].layout(num_blocks)
+    keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "num_blocks")
+    return {key: getattr(layout, key) for key in keys} | {"tier_blocks": tier_blocks}
+
+
+def _prefill_seconds(tokens: int, rounds: int) -> float:
+    """Median time of the example model's prefill of ``tokens`` tokens (no kvd)."""
+    import torch
+
+    example = _example_model()
+    cfg = example.SIZES["demo"]
     torch.set_num_threads(1)  # as the demo's figures: threads wait on each other on 2 cores
-    model = TinyLlama(SIZES["demo"]).eval()
-    ids = torch.randint(0, SIZES["demo"].vocab_size, (tokens,), generator=torch.Generator())
+    model = example.TinyLlama(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator())
     times = []
     with torch.inference_mode():
         model.forward_reference(ids)  # warm-up: torch's first-use costs
@@ -83,22 +99,10 @@ def _wait_demoted(kv: Client, blocks: int) -> None:
 
 def measure(tokens: int = 1024, rounds: int = 5) -> PromotionCost:
     """Promotion, plain hit and recompute of a ``tokens``-token prompt (see the module)."""
-    if str(_EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(_EXAMPLES))
-    from kvd_llm.model import SIZES
-
-    layout = SIZES["demo"].layout(num_blocks=1)
+    layout = _example_model().SIZES["demo"].layout(num_blocks=1)
     bs = layout.block_size
     blocks = tokens // bs
-    pool = {
-        "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-        "block_size": bs,
-        "num_blocks": blocks + 2,
-        "tier_blocks": 4 * (blocks + 2),
-    }
+    pool = _pool(blocks + 2, 4 * (blocks + 2))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 256, tokens + 1, dtype=np.int32)
     other = rng.integers(256, 512, (blocks + 2) * bs, dtype=np.int32)
@@ -138,19 +142,7 @@ def churn(think_ms: tuple[float, ...] = (0.0, 1.0, 5.0), requests: int = 200) ->
     it. The lines say how many of the committed blocks were copied in time and
     how many copies an eviction voided (`TierStats.lost`): the race the
     design accepts for copying ahead of eviction."""
-    if str(_EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(_EXAMPLES))
-    from kvd_llm.model import SIZES
-
-    layout = SIZES["demo"].layout(num_blocks=1)
-    pool = {
-        "num_layers": layout.num_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-        "num_blocks": 70,
-        "tier_blocks": 1024,
-    }
+    pool = _pool(70, 1024)
     lines = []
     with run_daemon(pool) as daemon, Client.connect(daemon.address, name="bench-churn") as kv:
         first = 0
