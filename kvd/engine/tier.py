@@ -11,8 +11,9 @@ that becomes cached (commit, publish) is noted, `demotions` hands out
 finished. A copy counts only if its block was not taken by an allocation
 while it ran (`void` is called on every eviction, under the engine's lock,
 before the taker's reply can let anyone write), its namespace was not
-flushed and the block still holds the key it was copied under: the pool slot an eviction frees is reused at once, so waiting for
-the eviction to copy would be too late. A cached block is immutable (writes
+flushed and the block still holds the key it was copied under: the pool
+slot an eviction frees is reused at once, so waiting for the eviction to
+copy would be too late. A cached block is immutable (writes
 into shared or cached blocks copy first), so the copy can read it while it
 is in use.
 
@@ -159,8 +160,9 @@ class Tier:
         self.fresh: deque[Block] = deque()
         #: Copies in flight by block.
         self.pending: dict[Block, Demotion] = {}
-        #: Promotions in flight by namespace, with that namespace's tier session.
-        self._sessions: dict[str, tuple[SessionAccount, int]] = {}
+        #: Promotions in flight by (namespace, adapter), with their tier session
+        #: (of that adapter: the stored events name it).
+        self._sessions: dict[tuple[str, str | None], tuple[SessionAccount, int]] = {}
         self._sids = itertools.count(-1, -1)
         self.stats = TierStats(num_slots, 0, 0)
 
@@ -287,17 +289,17 @@ class Tier:
         """Hold ``hits`` (the pool's part of the prefix) and fresh blocks for
         ``entries`` (the tier's part, after ``keys[len(hits) - 1]``), pin the
         entries; None (nothing changed) when the pool cannot give the blocks."""
-        ns = sess.namespace
-        owner, inflight = self._sessions.get(ns.name, (None, 0))
+        who = (sess.namespace.name, sess.adapter)
+        owner, inflight = self._sessions.get(who, (None, 0))
         if owner is None:
-            owner = self._open(ns.name)
+            owner = self._open(*who)
         made = self._holds.hold_fresh(owner, hits, len(entries))
         if made is None:
             if not inflight:
                 self._accounts.close(owner)
             return None
         hold_id, blocks = made
-        self._sessions[ns.name] = (owner, inflight + 1)
+        self._sessions[who] = (owner, inflight + 1)
         for entry in entries:
             entry.ref += 1
         self.stats.hits += len(entries)
@@ -312,9 +314,9 @@ class Tier:
             tokens=tokens,
         )
 
-    def _open(self, namespace: str) -> SessionAccount:
+    def _open(self, namespace: str, adapter: str | None) -> SessionAccount:
         sid = next(self._sids)
-        self._accounts.open(sid, namespace, None, None, 0)
+        self._accounts.open(sid, namespace, adapter, None, 0)
         return self._accounts.sessions[sid]
 
     def promoted(self, promo: Promotion, ok: bool) -> int:
@@ -340,12 +342,12 @@ class Tier:
                     self.free.append(entry.slot)
             else:
                 entries.move_to_end((entry.namespace, entry.key))
-        name = owner.namespace.name
-        left = self._sessions[name][1] - 1
+        who = (owner.namespace.name, owner.adapter)
+        left = self._sessions[who][1] - 1
         if left:
-            self._sessions[name] = (owner, left)
+            self._sessions[who] = (owner, left)
         else:
-            del self._sessions[name]
+            del self._sessions[who]
             self._accounts.close(owner)
         return published
 
