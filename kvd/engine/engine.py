@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from typing import Any
 
 import numpy as np
 from kvd_client.wire.hashing import BlockHasher
@@ -696,12 +697,26 @@ class Engine:
             )
         elif len(keys_of(keys, "keys")) != length // bs:
             return None
-        keys = keys[:cap]
+        return self._promote(sess, keys[:cap], arr)
+
+    def promote_keys(self, sid: int, keys: list[bytes]) -> Promotion | None:
+        """Tier 1's continuation of the run a held `lookup` of ``keys`` would
+        find, held for copying into the pool before that lookup runs (no token
+        ids: the promoted blocks' stored events carry none); None as `promote`."""
+        sess = self._accounts.find(sid)
+        if self.tier is None:
+            return None
+        return self._promote(sess, keys_of(keys, "keys"), None)
+
+    def _promote(
+        self, sess: SessionAccount, keys: list[bytes], tokens: np.ndarray[Any, Any] | None
+    ) -> Promotion | None:
+        tier = self.tier
+        assert tier is not None
+        ns = sess.namespace
         hits = ns.index.match(keys)
         entries = tier.continuation(ns.name, keys, len(hits))
-        if not entries:
-            return None
-        return tier.promote(sess, hits, entries, keys, arr)
+        return tier.promote(sess, hits, entries, keys, tokens) if entries else None
 
     def _queue_event(self, event: Event) -> None:
         self._events.append(event)

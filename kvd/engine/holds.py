@@ -38,6 +38,8 @@ from kvd.engine.results import Granted, Looked, Refusal
 
 __all__ = ["HoldTable", "keys_of"]
 
+_NO_TOKENS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
+
 
 def keys_of(value: object, name: str) -> list[bytes]:
     """``value`` as a list of block keys; INVALID unless each is a ``KEY_SIZE``-byte bytes.
@@ -170,11 +172,13 @@ class HoldTable:
         block_ids: Sequence[int],
         keys: Sequence[bytes],
         *,
-        tokens: npt.NDArray[np.int32],
+        tokens: npt.NDArray[np.int32] | None,
         parent: bytes | None,
     ) -> int:
         """Put granted blocks of a hold into the prefix cache under ``keys`` (in
         chain order, ``parent`` the key before the first); how many were published.
+        ``tokens`` None (tier 1's promotion for a lookup): the stored events carry
+        no token ids.
 
         Every argument is checked before anything changes (INVALID): the hold
         must exist in the session's namespace, each block be granted by it and
@@ -190,7 +194,7 @@ class HoldTable:
         if len(keys) != len(blocks):
             raise InvalidError(f"{len(blocks)} blocks but {len(keys)} keys")
         bs = self._block_size
-        if tokens.shape[0] != len(blocks) * bs:
+        if tokens is not None and tokens.shape[0] != len(blocks) * bs:
             raise InvalidError(
                 f"{len(blocks)} blocks need {len(blocks) * bs} token ids, got {tokens.shape[0]}"
             )
@@ -215,7 +219,7 @@ class HoldTable:
         self,
         hold: HoldState,
         keys: Sequence[bytes],
-        tokens: npt.NDArray[np.int32],
+        tokens: npt.NDArray[np.int32] | None,
         parent: bytes | None,
         run: tuple[int, int],
     ) -> None:
@@ -226,7 +230,7 @@ class HoldTable:
                 BlockStored(
                     list(keys[start:end]),
                     keys[start - 1] if start else parent,
-                    tokens[start * bs : end * bs].copy(),
+                    _NO_TOKENS if tokens is None else tokens[start * bs : end * bs].copy(),
                     block_size=bs,
                     namespace=hold.owner.namespace.name,
                     adapter=hold.owner.adapter,

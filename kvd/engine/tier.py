@@ -86,7 +86,8 @@ class Promotion:
     """Tier slots to copy into fresh pool blocks (``pairs``: (slot, block id)), in flight.
 
     ``keys`` are the promoted blocks' keys, ``parent`` the key before the
-    first, ``tokens`` their token ids (for the stored event)."""
+    first, ``tokens`` their token ids for the stored event (None: unknown, a
+    lookup's promotion)."""
 
     __slots__ = ("entries", "hold_id", "keys", "pairs", "parent", "session", "tokens")
 
@@ -98,7 +99,7 @@ class Promotion:
         entries: list[TierEntry],
         blocks: list[int],
         parent: bytes | None,
-        tokens: npt.NDArray[np.int32],
+        tokens: npt.NDArray[np.int32] | None,
     ) -> None:
         self.session = session
         self.hold_id = hold_id
@@ -284,11 +285,12 @@ class Tier:
         hits: list[Block],
         entries: list[TierEntry],
         keys: Sequence[bytes],
-        tokens: npt.NDArray[np.int32],
+        tokens: npt.NDArray[np.int32] | None,
     ) -> Promotion | None:
         """Hold ``hits`` (the pool's part of the prefix) and fresh blocks for
         ``entries`` (the tier's part, after ``keys[len(hits) - 1]``), pin the
-        entries; None (nothing changed) when the pool cannot give the blocks."""
+        entries; None (nothing changed) when the pool cannot give the blocks.
+        ``tokens``: the prompt's token ids (None: unknown)."""
         who = (sess.namespace.name, sess.adapter)
         owner, inflight = self._sessions.get(who, (None, 0))
         if owner is None:
@@ -304,7 +306,8 @@ class Tier:
             entry.ref += 1
         self.stats.hits += len(entries)
         first, bs = len(hits), self._bs
-        tokens = tokens[first * bs : (first + len(entries)) * bs].copy()
+        if tokens is not None:
+            tokens = tokens[first * bs : (first + len(entries)) * bs].copy()
         return Promotion(
             owner,
             hold_id,

@@ -133,7 +133,6 @@ class Dispatcher:
             self.info.sections["tiers"] = self.tiers.stats
         limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         seq = SequenceHandlers(limits, self.tiers)
-        self._allocate_now = seq.allocate_now
         holds = HoldHandlers(limits, self.tiers)
         self._session_table: dict[int, _SessionHandler] = {
             wire.Kind.HEARTBEAT: self.handshake.heartbeat,
@@ -375,8 +374,8 @@ class Dispatcher:
         return reply
 
     def finish_promotion(self, job: PendingPromotion) -> list[bytes]:
-        """The reply to an allocate once its promotion is done (under the lock):
-        the allocate runs now, as if it had just arrived (SESSION_LOST when its
+        """The reply to an allocate or lookup once its promotion is done (under
+        the lock): it runs now, as if it had just arrived (SESSION_LOST when its
         session closed meanwhile)."""
         t0 = time.perf_counter_ns()
         req_id = job.req.id
@@ -385,7 +384,7 @@ class Dispatcher:
             reply = self._error(req_id, wire.Code.SESSION_LOST, "the session closed")
         else:
             try:
-                outcome = self._guard(job.req, self._allocate_now, call)
+                outcome = self._guard(job.req, job.run, call)
             except RequestError as exc:
                 reply = self._error(req_id, exc.code, exc.message)
             else:
@@ -394,7 +393,7 @@ class Dispatcher:
                     if isinstance(outcome, Refusal)
                     else wire.encode_ok(req_id, outcome)
                 )
-        self._record(_KIND_NAMES[wire.Kind.ALLOCATE], 1, time.perf_counter_ns() - t0)
+        self._record(_KIND_NAMES[job.req.KIND], 1, time.perf_counter_ns() - t0)
         return reply
 
     def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:

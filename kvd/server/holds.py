@@ -16,7 +16,7 @@ from kvd.errors import RequestError
 from kvd.server.context import Outcome, SessionCall
 from kvd.server.security import RequestLimits
 from kvd.server.sequences import block_bytes
-from kvd.server.tiers import Tiers
+from kvd.server.tiers import PendingPromotion, Tiers
 
 __all__ = ["HoldHandlers"]
 
@@ -37,8 +37,18 @@ class HoldHandlers:
                 f"{n} blocks of {call.engine.block_size} tokens in one request (limit {limit})",
             )
 
-    def lookup(self, req: wire.LookupRequest, call: SessionCall) -> Outcome:
+    def lookup(self, req: wire.LookupRequest, call: SessionCall) -> Outcome | PendingPromotion:
+        """A lookup, or (held, the run continuing into tier 1, not in a batch)
+        the promotion to make first: the reply waits for it, no one else does."""
         self._check_blocks(len(req.keys), call)
+        if req.hold and call.engine.tier is not None:
+            job = self.tiers.ask(req, call, self.lookup_now)
+            if job is not None:
+                return job
+        return self.lookup_now(req, call)
+
+    def lookup_now(self, req: wire.LookupRequest, call: SessionCall) -> Outcome:
+        """The lookup itself (after its promotion, if any)."""
         r = call.engine.lookup(call.session.id, req.keys, hold=bool(req.hold))
         if isinstance(r, Refusal):
             return r

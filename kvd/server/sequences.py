@@ -59,8 +59,8 @@ class SequenceHandlers:
         the promotion to make first: the reply waits for it, no one else does."""
         engine, sid = call.engine, call.session.id
         self._check_size(req, engine, sid)
-        if engine.tier is not None and not call.batch:
-            job = self.tiers.ask(req, call)
+        if engine.tier is not None:
+            job = self.tiers.ask(req, call, self.allocate_now)
             if job is not None:
                 return job
         return self.allocate_now(req, call)

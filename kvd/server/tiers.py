@@ -40,7 +40,7 @@ import structlog
 from kvd_client import wire
 
 from kvd.engine.tier import Demotion, Promotion
-from kvd.server.context import ServerState, SessionCall
+from kvd.server.context import Outcome, ServerState, SessionCall
 from kvd.server.pools import ServedPool
 
 __all__ = ["PendingPromotion", "Tiers"]
@@ -53,19 +53,29 @@ _IDLE: Final = 0.25
 _DEMOTE_BATCH: Final = 256
 
 
-class PendingPromotion:
-    """An allocate waiting for its tier blocks to be copied into the pool."""
+#: The handler that answers a request once its promotion is done.
+_Run = Callable[[Any, SessionCall], Outcome]
 
-    __slots__ = ("call", "pool", "promotion", "req", "t0")
+
+class PendingPromotion:
+    """An allocate (or held lookup) waiting for its tier blocks to be copied into
+    the pool; ``run`` answers it then."""
+
+    __slots__ = ("call", "pool", "promotion", "req", "run")
 
     def __init__(
-        self, req: wire.AllocateRequest, call: SessionCall, pool: ServedPool, promo: Promotion
+        self,
+        req: wire.AllocateRequest | wire.LookupRequest,
+        call: SessionCall,
+        pool: ServedPool,
+        promo: Promotion,
+        run: _Run,
     ) -> None:
         self.req = req
         self.call = call
         self.pool = pool
         self.promotion = promo
-        self.t0 = time.perf_counter()
+        self.run = run
 
 
 class _Wake:
@@ -132,15 +142,23 @@ class Tiers:
     # ------------------------------------------------------------------
     # Request thread (under the request lock)
 
-    def ask(self, req: wire.AllocateRequest, call: SessionCall) -> PendingPromotion | None:
-        """The promotion an allocate needs first, queued; None: run it now."""
+    def ask(
+        self, req: wire.AllocateRequest | wire.LookupRequest, call: SessionCall, run: _Run
+    ) -> PendingPromotion | None:
+        """The promotion an allocate or a held lookup needs first, queued (``run``
+        answers the request once it is done); None: answer it now."""
         pool = self._state.pools.get(call.session.pool)
-        if pool is None or pool.tier is None:
+        if pool is None or pool.tier is None or call.batch:
             return None
-        promo = call.engine.promote(call.session.id, req.seq, req.tokens, req.keys)
+        engine, sid = call.engine, call.session.id
+        promo = (
+            engine.promote_keys(sid, req.keys)
+            if isinstance(req, wire.LookupRequest)
+            else engine.promote(sid, req.seq, req.tokens, req.keys)
+        )
         if promo is None:
             return None
-        job = PendingPromotion(req, call, pool, promo)
+        job = PendingPromotion(req, call, pool, promo, run)
         self.jobs.append(job)
         self._promote_wake.set()
         return job

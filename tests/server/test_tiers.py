@@ -11,6 +11,7 @@ import anyio
 import numpy as np
 import pytest
 from kvd_client import wire
+from kvd_client.wire.hashing import DEFAULT_HASH_SEED, BlockHasher
 
 from kvd.config import load_config
 from kvd.server.dispatch import Dispatcher
@@ -132,3 +133,16 @@ def test_a_session_closed_during_its_promotion_gets_session_lost(th: TierHarness
     assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.SESSION_LOST
     th.pools["default"].engine.check_invariants()
     assert th.pools["default"].engine.stats().sessions == 0
+
+
+def test_a_held_lookup_continuing_into_the_tier_is_answered_after_its_promotion(
+    th: TierHarness,
+) -> None:
+    th.in_tier_only(PROMPT)
+    keys = BlockHasher(BS, DEFAULT_HASH_SEED).keys(PROMPT[: 3 * BS], None)
+    assert th.call(wire.LookupRequest(id=5, keys=keys, hold=True)) == []
+    th.serve_until(lambda: bool(th.sent))
+    reply = wire.decode_reply(th.sent[0][1])
+    assert isinstance(reply, wire.OkReply)
+    assert reply.result["cached"] == 3 and reply.result["hold"]
+    assert th.tier["promotions"] == 3
