@@ -6,23 +6,23 @@ in worker threads, and tells the engine under the request lock:
 - *Demotion*: woken by a commit or publish that cached blocks (`noted`),
   the loop takes the engine's pending demotions, copies them pool -> tier in
   a worker thread without the lock, then records them (`Tier.demoted`), and
-  goes on while there are more. A
-  block an allocation took while its copy ran does not count: the engine
-  voided it when it handed the block out, before the taker's reply left.
-- *Promotion*: an allocate (not in a batch) whose prefix continues into the
-  tier is not answered at once. The handler asks the engine to hold that
-  part (`Engine.promote`) and queues a `PendingPromotion`; the request
-  thread goes on serving everyone else. A loop task copies tier -> pool in a
-  worker thread, then, under the lock, publishes the promoted blocks and
-  runs the allocate itself (`Dispatcher.finish_promotion`), whose whole
-  prefix is then a pool hit; the reply is sent through the loop's outbox.
-  So no reply names a block whose bytes are not in place, and no other
-  session waits for a copy. The client sees one allocate reply, a little
-  later.
+  goes on while there are more. A block an allocation took while its copy
+  ran does not count: the engine voided it when it handed the block out,
+  before the taker's reply left.
+- *Promotion*: an allocate or a held lookup (not in a batch) whose prefix
+  continues into the tier is not answered at once. The handler asks the
+  engine to hold that part (`Engine.promote`, `promote_keys`) and queues a
+  `PendingPromotion`; the request thread goes on serving everyone else. A
+  loop task copies tier -> pool in a worker thread, then, under the lock,
+  publishes the promoted blocks and runs the request itself
+  (`Dispatcher.finish_promotion`), whose whole prefix is then a pool hit;
+  the reply is sent through the loop's outbox. So no reply names a block
+  whose bytes are not in place, and no other session waits for a copy. The
+  client sees one reply, a little later.
 
 A copy that raises counts as an error (`TierStats.errors`): a failed
 demotion leaves the block uncopied, a failed promotion publishes nothing
-(the allocate then computes that part itself).
+(the client then computes that part itself).
 """
 
 from __future__ import annotations
