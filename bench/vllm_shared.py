@@ -24,18 +24,9 @@ from kvd_client import Client
 
 from bench._common import run_daemon
 from bench.vllm_connector import BS, MODEL, _kvd, _ttfts
-from tests.vllm.support import prompt_tokens, run_vllm, tiny_llama
+from tests.vllm.support import kvd_shared, prompt_tokens, run_vllm, tiny_llama
 
 SCHEDULER = "kvd_client.integrations.vllm.KvdScheduler"
-
-
-def _shared(address: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "KvdConnector",
-        "kv_connector_module_path": "kvd_client.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvd_address": address, "mode": "shared"},
-    }
 
 
 def _pool_blocks(address: str) -> tuple[int, int]:
@@ -74,8 +65,8 @@ def main() -> None:
 
     one("cold", None)
     with run_daemon({"num_blocks": 16, "num_layers": 1}) as daemon:
-        one("shared_a", _shared(daemon.address), shared_kw)
-        one("shared_b", _shared(daemon.address), shared_kw)
+        one("shared_a", kvd_shared(daemon.address), shared_kw)
+        one("shared_b", kvd_shared(daemon.address), shared_kw)
         one("copy_a", _kvd(daemon.address))
         one("copy_b", _kvd(daemon.address))
     assert all(c == args.prefix for c in cached["shared_b"]), cached
@@ -90,7 +81,7 @@ def main() -> None:
             run_vllm(
                 model,
                 mem_prompt,
-                kv_transfer_config=_shared(daemon.address),
+                kv_transfer_config=kvd_shared(daemon.address),
                 llm_kwargs=shared_kw,
                 **run,
             )

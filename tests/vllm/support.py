@@ -17,9 +17,12 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +207,32 @@ def example_connector(storage: Path) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(storage)},
     }
+
+
+def kvd_shared(address: str) -> dict[str, Any]:
+    """``kv_transfer_config`` of `KvdConnector` in shared mode (the pool is vLLM's KV buffer)."""
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd_client.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvd_address": address, "mode": "shared"},
+    }
+
+
+def kill_once_holding(run: VllmRun, holds: Callable[[], int], timeout: float = 240) -> None:
+    """SIGKILL ``run``'s process group once ``holds()`` (kvd's count) is above 0."""
+    deadline = time.monotonic() + timeout
+    while holds() == 0:
+        assert run.proc.poll() is None, "vLLM ended before it held anything"
+        assert time.monotonic() < deadline, "no hold seen"
+        time.sleep(0.1)
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    try:
+        run.result()
+    except VllmFailed as exc:
+        assert "exited -9" in str(exc), exc
+    else:
+        raise AssertionError("vLLM was not killed")
 
 
 def prompt_tokens(n: int, salt: int = 0, vocab: int = LlamaSpec.vocab_size) -> list[int]:

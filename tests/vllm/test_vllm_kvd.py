@@ -11,8 +11,6 @@ refused the pool.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 from typing import Any
 
@@ -26,7 +24,7 @@ from kvd_client import Client
 from kvd_client.errors import LayoutMismatch
 from kvd_client.integrations.vllm_plan import model_digest
 
-from tests.vllm.support import LlamaSpec, VllmFailed, prompt_tokens, start_vllm, tiny_llama
+from tests.vllm.support import LlamaSpec, kill_once_holding, prompt_tokens, start_vllm, tiny_llama
 
 PREFIX = 4096
 BLOCK_SIZE = 32
@@ -147,14 +145,7 @@ def test_abort_preemption_and_sigkill_leave_no_hold(kvd_daemon: Any) -> None:
         llm_kwargs=small,
         together=True,
     )
-    deadline = time.monotonic() + 240
-    while _pool_stats(kvd_daemon.address)["holds"] == 0:
-        assert d.proc.poll() is None, "vLLM ended before it held anything"
-        assert time.monotonic() < deadline, "no hold seen"
-        time.sleep(0.1)
-    os.killpg(d.proc.pid, signal.SIGKILL)
-    with pytest.raises(VllmFailed, match="exited -9"):
-        d.result()
+    kill_once_holding(d, lambda: _pool_stats(kvd_daemon.address)["holds"])
     after = _wait_no_holds(kvd_daemon.address)
     assert after["holds"] == 0 and after["held_blocks"] == 0, after
     assert after["blocks"]["in_use"] == 0, after

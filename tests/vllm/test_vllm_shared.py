@@ -12,8 +12,6 @@ one's holds and blocks come back while another runs on.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Any
 
@@ -24,7 +22,7 @@ pytest.importorskip("vllm.v1.core.block_pool", reason="needs vLLM: run `make tes
 
 from kvd_client import Client
 from kvd_client.integrations.vllm_plan import Link, paged_layout, pool_name
-from kvd_client.integrations.vllm_shared import KvdBlockPool, _block_pool_class
+from kvd_client.integrations.vllm_shared import KvdBlockPool, building_block_pools
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -32,21 +30,19 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from tests.vllm.support import LlamaSpec, VllmFailed, prompt_tokens, start_vllm, tiny_llama
+from tests.vllm.support import (
+    LlamaSpec,
+    kill_once_holding,
+    kvd_shared,
+    prompt_tokens,
+    start_vllm,
+    tiny_llama,
+)
 
 PREFIX = 4096
 BLOCK_SIZE = 32
 MAX_LEN = 8192
 SPEC = LlamaSpec(max_position_embeddings=MAX_LEN)
-
-
-def shared(address: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "KvdConnector",
-        "kv_connector_module_path": "kvd_client.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvd_address": address, "mode": "shared"},
-    }
 
 
 def _run(model: Any, prompts: list[list[int]], address: str | None, blocks: int, **kw: Any) -> Any:
@@ -57,7 +53,7 @@ def _run(model: Any, prompts: list[list[int]], address: str | None, blocks: int,
             "scheduler_cls": "kvd_client.integrations.vllm.KvdScheduler",
             "num_gpu_blocks_override": blocks,
         }
-        kw["kv_transfer_config"] = shared(address)
+        kw["kv_transfer_config"] = kvd_shared(address)
     return start_vllm(
         model,
         prompts,
@@ -163,7 +159,7 @@ def _manager(address: str, num_blocks: int) -> tuple[KVCacheManager, KvdBlockPoo
     def factory(*a: Any, **k: Any) -> KvdBlockPool:
         return KvdBlockPool(*a, link=link, spare_target=None, **k)
 
-    with _block_pool_class(factory):
+    with building_block_pools(factory):
         manager = KVCacheManager(
             config,
             max_model_len=MAX_LEN,
@@ -263,14 +259,7 @@ def test_processes_at_once_share_prefixes_evict_and_survive_a_sigkill(kvd_daemon
     # D is killed while it holds blocks; E runs on and ends with cold's outputs.
     d = _run(model, prompts * 4, kvd_daemon.address, 160, **small, max_tokens=64)
     e = _run(model, prompts, kvd_daemon.address, 160, **small)
-    deadline = time.monotonic() + 240
-    while _the_pool(kvd_daemon.address)[1]["holds"] == 0:
-        assert d.proc.poll() is None, "D ended before it held anything"
-        assert time.monotonic() < deadline, "no hold seen"
-        time.sleep(0.1)
-    os.killpg(d.proc.pid, signal.SIGKILL)
-    with pytest.raises(VllmFailed, match="exited -9"):
-        d.result()
+    kill_once_holding(d, lambda: _the_pool(kvd_daemon.address)[1]["holds"])
     assert [r["output_token_ids"] for r in e.result()["requests"]] == want
     after = _wait_no_holds(kvd_daemon.address)
     assert after["holds"] == 0 and after["held_blocks"] == 0, after

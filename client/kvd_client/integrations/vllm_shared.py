@@ -92,6 +92,7 @@ __all__ = [
     "KvdBlockPool",
     "KvdScheduler",
     "SharedWorker",
+    "building_block_pools",
     "check_placement",
     "kv_buffer_context",
     "shared_layout",
@@ -631,7 +632,7 @@ def _value(deferred: Any, default: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _block_pool_class(factory: Callable[..., BlockPool]) -> Iterator[None]:
+def building_block_pools(factory: Callable[..., BlockPool]) -> Iterator[None]:
     """vLLM's coordinator builds its pool by the module's name ``BlockPool``: ours, meanwhile."""
     original = kv_cache_coordinator.BlockPool
     kv_cache_coordinator.BlockPool = factory
@@ -672,7 +673,7 @@ class KvdScheduler(Scheduler):  # type: ignore[misc]
         def factory(*a: Any, **k: Any) -> KvdBlockPool:
             return KvdBlockPool(*a, link=link, spare_target=target, **k)
 
-        with _block_pool_class(factory):
+        with building_block_pools(factory):
             super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         pool = self.kv_cache_manager.block_pool
         assert isinstance(pool, KvdBlockPool), type(pool)
