@@ -389,12 +389,14 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.block_hash is None or blk.block_id not in self.granted:
+                self.counters["cached_unpublishable"] += 1
                 run = None  # not this process's to publish: the chain goes on in a new run
                 continue
             if run is None:
                 before = blocks[i - 1].block_hash if i else None
                 run = _Publish([], [], [], None if before is None else get_block_hash(before))
                 self._step.append(run)
+            self.counters["cached"] += 1
             run.blocks.append(blk.block_id)
             run.keys.append(get_block_hash(blk.block_hash))
             run.tokens += tokens[i * block_size : (i + 1) * block_size]
@@ -526,18 +528,10 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             self._epoch = c.epoch
         elif c.epoch != self._epoch:
             raise RuntimeError("kvd restarted: this vLLM's KV buffer was the old pool: restart it")
-        by_hold: dict[int, list[int]] = {}
-        extra, self._extra_releases = self._extra_releases, []
-        for hold, ids in extra:
-            by_hold.setdefault(hold, []).extend(ids)
-        for bid in released:
-            hold = self.hold_of.pop(bid, 0)
-            if hold:
-                by_hold.setdefault(hold, []).append(bid)
-                self.granted.discard(bid)
         with c.batch() as b:
+            # Publications first: they name the holds that the releases end.
             published = [self._publish(b, pub) for pub in pubs]
-            for hold, ids in by_hold.items():
+            for hold, ids in self._release_groups(released).items():
                 b.release(hold, ids)
             cap = self.hash_block_size
             looked = [
@@ -561,6 +555,19 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             n //= 2
             ok = self._take_grant(partial(c.grant, n))
         return True
+
+    def _release_groups(self, released: list[int]) -> dict[int, list[int]]:
+        """``released`` ids (and the duplicates queued) by hold; they are no longer held here."""
+        by_hold: dict[int, list[int]] = {}
+        extra, self._extra_releases = self._extra_releases, []
+        for hold, ids in extra:
+            by_hold.setdefault(hold, []).extend(ids)
+        for bid in released:
+            hold = self.hold_of.pop(bid, 0)
+            if hold:
+                by_hold.setdefault(hold, []).append(bid)
+                self.granted.discard(bid)
+        return by_hold
 
     def _publish(self, b: Any, pub: _Publish) -> list[Any]:
         """PUBLISH ops for ``pub``, one per run of blocks of one hold."""
