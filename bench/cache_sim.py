@@ -51,6 +51,7 @@ __all__ = [
     "TraceRequest",
     "expand_tokens",
     "load_trace",
+    "mix64",
     "next_uses",
     "simulate_freq_classes",
     "simulate_freq_classes_table",
@@ -522,7 +523,7 @@ def _oldest_class(queues: list[OrderedDict[int, int]], now: int, scale: list[flo
 _MASK64 = (1 << 64) - 1
 
 
-def _mix(x: int) -> int:
+def mix64(x: int) -> int:
     """splitmix64's finaliser: a 64-bit hash of an interned key (a sha256 key's stand-in)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -566,7 +567,7 @@ def simulate_freq_classes_table(
     scale = [1.0 / max(c, 1) ** power for c in range(classes + 1)]
 
     def slots(key: int) -> list[int] | None:
-        h = _mix(key)
+        h = mix64(key)
         if (h >> 56) % sample:
             return None
         h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # double hashing

@@ -189,9 +189,10 @@ class CacheConfig:
 
     #: Seed of the block-hash chain (vLLM's default; must match routers' config).
     hash_seed: str = DEFAULT_HASH_SEED
-    #: Which cached block a full pool evicts: "frequency" (use counts and
-    #: recency) or "lru" (vLLM's order, block for block).
-    eviction: str = "frequency"
+    #: Which cached block a full pool evicts: "adaptive" (use counts and recency
+    #: while that out-hits LRU on a sample of the keys, else LRU's order),
+    #: "frequency" (use counts and recency always) or "lru" (vLLM's order).
+    eviction: str = "adaptive"
 
     def __post_init__(self) -> None:
         _require(

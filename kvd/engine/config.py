@@ -10,9 +10,13 @@ from kvd.engine.errors import InvalidError
 
 __all__ = ["EVICTION_POLICIES", "EngineConfig"]
 
-#: ``eviction`` settings: the default orders evictions by use count and
-#: recency (`kvd.engine.frequency`); "lru" is vLLM's order, block for block.
-EVICTION_POLICIES = ("frequency", "lru")
+#: ``eviction`` settings: the default, "adaptive", orders evictions by use count
+#: and recency while that out-hits LRU on a sample of the keys, else like LRU
+#: (`kvd.engine.adaptive`); "frequency" always orders by use count
+#: (`kvd.engine.frequency`: up to 11 points below LRU where many-use prefixes
+#: stop coming back); "lru" is vLLM's order, block for block. bench/README.md,
+#: "Eviction policies against adversarial workloads".
+EVICTION_POLICIES = ("adaptive", "frequency", "lru")
 
 
 def _is_int(value: object) -> bool:
@@ -36,7 +40,7 @@ class EngineConfig:
     hash_seed: str = DEFAULT_HASH_SEED
     watermark_blocks: int = 0
     events: bool = True
-    eviction: str = "frequency"
+    eviction: str = "adaptive"
     tier_blocks: int = 0
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine.accounts import Accounts, SessionAccount
+from kvd.engine.adaptive import AdaptivePool
 from kvd.engine.block import Block
 from kvd.engine.checks import TokensLike, as_tokens, count, sequence_id
 from kvd.engine.config import EngineConfig
@@ -39,7 +40,9 @@ __all__ = ["Engine"]
 _KEY = operator.attrgetter("key")
 _BLOCK_ID = operator.attrgetter("block_id")
 #: The pool class of each ``EngineConfig.eviction`` setting.
-_POOLS: dict[str, type[BlockPool]] = {pool.policy: pool for pool in (BlockPool, FrequencyPool)}
+_POOLS: dict[str, type[BlockPool]] = {
+    pool.policy: pool for pool in (BlockPool, FrequencyPool, AdaptivePool)
+}
 
 
 class Engine:

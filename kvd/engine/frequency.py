@@ -1,6 +1,8 @@
-"""The default eviction policy: LRU queues by use count.
+"""The ``eviction = "frequency"`` policy: LRU queues by use count.
 
-bench/README.md, "Trace replay and eviction", has the measurements behind it.
+bench/README.md, "Trace replay and eviction", has the measurements behind it,
+and "Eviction policies against adversarial workloads" why it is no longer the
+default: it keeps many-use prefixes long after they stop coming back.
 
 A cached block's *uses* count the times its key was matched by an allocation
 or published by a commit, over the key's whole life (evictions included),
@@ -25,13 +27,13 @@ from kvd.engine.block_queue import BlockQueue
 from kvd.engine.pool import BlockPool
 from kvd.engine.prefix_index import PrefixIndex
 
-__all__ = ["CLASSES", "FrequencyPool", "UseTable"]
+__all__ = ["CLASSES", "WEIGHT", "FrequencyPool", "UseTable"]
 
 #: Use counts saturate here; one queue per count 1..CLASSES.
 CLASSES = 8
-#: Queue heads are compared by age / uses**2 as the integer age * _WEIGHT[uses]
+#: Queue heads are compared by age / uses**2 as the integer age * WEIGHT[uses]
 #: (840 = lcm(1..8), so every weight is exact).
-_WEIGHT = [0] + [(840 // c) ** 2 for c in range(1, CLASSES + 1)]
+WEIGHT = [0] + [(840 // c) ** 2 for c in range(1, CLASSES + 1)]
 #: Release stamps are the clock modulo 2**32 (4 bytes per block): an age is
 #: exact while below 2**32 allocations.
 _STAMP_MASK = 0xFFFFFFFF
@@ -125,13 +127,17 @@ class FrequencyPool(BlockPool):
     __slots__ = ("classes", "clock", "ends", "stamps", "table", "tails", "uses")
 
     policy = "frequency"
+    #: Whether `release` raises each block's count to the one released just
+    #: before it (`AdaptivePool`; see there).
+    monotone = False
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         #: classes[c - 1] queues the evictable blocks used c times; lru is classes[0].
         self.classes = [self.lru] + [BlockQueue() for _ in range(CLASSES - 1)]
         #: (head, tail, weight) of each class, in class order, for `_victims`.
-        self.ends = [(q.head, q.tail, _WEIGHT[c]) for c, q in enumerate(self.classes, 1)]
+        self.ends: list[tuple[Block, Block, int]] = []
+        self._weigh(WEIGHT)
         #: tails[c]: class c's tail sentinel (tails[0] unused), for `release`.
         self.tails: list[Block] = [self.lru.tail] + [q.tail for q in self.classes]
         self.uses = bytearray(num_blocks)
@@ -141,6 +147,10 @@ class FrequencyPool(BlockPool):
 
     def queues(self) -> list[BlockQueue]:
         return list(self.classes)
+
+    def _weigh(self, weights: list[int]) -> None:
+        """Compare the queue heads by age * ``weights[uses]`` from now on."""
+        self.ends = [(q.head, q.tail, weights[c]) for c, q in enumerate(self.classes, 1)]
 
     def _victims(self, n: int) -> list[Block]:
         """Each victim is the queue head oldest in units of uses² (the lowest
@@ -255,8 +265,10 @@ class FrequencyPool(BlockPool):
 
     def release(self, blocks: Iterable[Block]) -> None:
         """As `BlockPool.release`, each keyed block queued by its use count
-        and stamped with the clock."""
+        and stamped with the clock (with `monotone`, a count below the
+        previous queued block's is raised to it)."""
         uses = self.uses
+        monotone = self.monotone
         stamps = self.stamps
         clock = self.clock & _STAMP_MASK
         free_push = self.free.append
@@ -277,6 +289,8 @@ class FrequencyPool(BlockPool):
                     bid = block.block_id
                     stamps[bid] = clock
                     c = uses[bid]
+                    if c < cur and monotone:
+                        c = uses[bid] = cur
                     if c != cur:
                         if cur:
                             tail = tails[cur]

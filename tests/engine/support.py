@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.engine import Engine
+from kvd.engine.adaptive import AdaptivePool
 from kvd.engine.frequency import FrequencyPool
 
 BS = 4
@@ -40,6 +41,14 @@ class Checked:
         return call
 
 
+def shadows(pool: FrequencyPool) -> object:
+    """An adaptive pool's shadow caches and order, as plain values."""
+    if not isinstance(pool, AdaptivePool):
+        return None
+    sh = pool.shadows
+    return (list(sh.lru), [list(q.items()) for q in sh.classes], sh.hits, sh.refs, pool.weighted)
+
+
 def snapshot(eng: Engine | Checked) -> dict[str, Any]:
     """Everything an operation could change, except the refusal counters."""
     if isinstance(eng, Checked):
@@ -53,7 +62,14 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
         "unborn": pool.unborn,
         "queues": [[b.block_id for b in q] for q in pool.queues()],
         "policy": (
-            (bytes(pool.uses), pool.stamps.tobytes(), pool.clock, bytes(pool.table.counters))
+            (
+                bytes(pool.uses),
+                pool.stamps.tobytes(),
+                pool.clock,
+                bytes(pool.table.counters),
+                [weight for _, _, weight in pool.ends],
+                shadows(pool),
+            )
             if isinstance(pool, FrequencyPool)
             else None
         ),

@@ -38,5 +38,5 @@ def test_bad_settings_are_invalid(kwargs: dict[str, Any]) -> None:
         EngineConfig(**kwargs)
 
 
-def test_the_default_eviction_is_frequency() -> None:
-    assert EngineConfig(num_blocks=8).eviction == "frequency"
+def test_the_default_eviction_is_adaptive() -> None:
+    assert EngineConfig(num_blocks=8).eviction == "adaptive"

@@ -151,7 +151,7 @@ def sampled_prompt(eng: Checked) -> np.ndarray:
 
 
 def test_a_use_count_survives_the_eviction_of_its_block(make_engine: MakeEngine) -> None:
-    eng = make_engine(num_blocks=2)
+    eng = make_engine(num_blocks=2, eviction="frequency")
     tokens = sampled_prompt(eng)
     cached(eng, "a", tokens)
     hit_again(eng, "a2", tokens)  # 2 uses

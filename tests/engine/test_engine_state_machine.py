@@ -6,7 +6,7 @@ exhausting the pool, made of these) over three sessions
 in two namespaces (one with an adapter) on a small pool with a tiny token
 alphabet, so hits, duplicates, copies, refusals and evictions all happen.
 After every step: `check_invariants`, plus the model's checks (for
-both eviction policies):
+every eviction policy):
 
 - the simulated client writes each token into its block slot, and only
   ever into a block it alone holds that is not cached (copy-on-write);
@@ -51,8 +51,8 @@ prompts = st.tuples(
 
 
 class EngineMachine(RuleBasedStateMachine):
-    #: The engine's eviction policy (the default; `LruEngineMachine` runs "lru").
-    eviction = "frequency"
+    #: The engine's eviction policy (the default; the subclasses run the others).
+    eviction = "adaptive"
     #: Tier 1's slots (`TierEngineMachine` has some).
     tier_blocks = 0
 
@@ -330,6 +330,19 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+class FrequencyEngineMachine(EngineMachine):
+    eviction = "frequency"
+
+
+FrequencyEngineMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestFrequencyEngineMachine = FrequencyEngineMachine.TestCase
 
 
 class LruEngineMachine(EngineMachine):

@@ -1,4 +1,5 @@
-"""The frequency eviction policy: its use table and pool (engine level: test_engine_eviction)."""
+"""The frequency eviction policy: its use table and pool (engine level: test_engine_eviction;
+the adaptive pool's own parts: test_frequency_adaptive)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.engine.adaptive import AdaptivePool
 from kvd.engine.block import Block
 from kvd.engine.frequency import CLASSES, FrequencyPool, UseTable
 from kvd.engine.prefix_index import PrefixIndex
@@ -172,12 +174,16 @@ def test_drop_key_frees_an_evictable_block_at_once() -> None:
 
 def reference_victims(pool: FrequencyPool, n: int) -> list[Block]:
     """The next ``n`` victims by the policy's definition, one block at a time:
-    the queue head with the largest age / uses² (the lowest class on a tie)."""
+    the queue head with the largest age / uses² (the lowest class on a tie),
+    or, in an adaptive pool's LRU order, age alone."""
     queues = [list(q) for q in pool.queues()]
+    flat = isinstance(pool, AdaptivePool) and not pool.weighted
     out: list[Block] = []
     for _ in range(n):
         scores = [
-            Fraction(pool.clock - pool.stamps[q[0].block_id] + 1, c**2) if q else Fraction(-1)
+            Fraction(pool.clock - pool.stamps[q[0].block_id] + 1, 1 if flat else c**2)
+            if q
+            else Fraction(-1)
             for c, q in enumerate(queues, 1)
         ]
         out.append(queues[scores.index(max(scores))].pop(0))
@@ -199,11 +205,12 @@ allocations = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(allocations=allocations)
+@given(allocations=allocations, policy=st.sampled_from([FrequencyPool, AdaptivePool]))
 def test_eviction_takes_the_blocks_of_one_head_comparison_per_block(
-    allocations: list[tuple[int, int, int, bool, bool]],
+    allocations: list[tuple[int, int, int, bool, bool]], policy: type[FrequencyPool]
 ) -> None:
-    pool, index = FrequencyPool(12), PrefixIndex()
+    """For an adaptive pool in whichever order its shadows chose at each step."""
+    pool, index = policy(12), PrefixIndex()
     kept: list[list[Block]] = []
     serial = 0
     for ticks, hits, new, sampled, keep in allocations:
