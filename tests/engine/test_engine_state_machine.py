@@ -337,10 +337,7 @@ class FrequencyEngineMachine(EngineMachine):
 
 
 FrequencyEngineMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    EngineMachine.TestCase.settings, max_examples=200
 )
 TestFrequencyEngineMachine = FrequencyEngineMachine.TestCase
 
@@ -349,10 +346,5 @@ class LruEngineMachine(EngineMachine):
     eviction = "lru"
 
 
-LruEngineMachine.TestCase.settings = settings(
-    max_examples=250,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+LruEngineMachine.TestCase.settings = settings(EngineMachine.TestCase.settings, max_examples=250)
 TestLruEngineMachine = LruEngineMachine.TestCase
