@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint typecheck imports unit venv clean
+.PHONY: run test test-vllm lint typecheck imports unit venv redis clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,12 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-unit: $(STAMP)
+unit: $(STAMP) redis
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+## redis: the redis-server the remote tier's tests start (on a free loopback port); no PyPI wheel ships it, so apt where missing
+redis:
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 
 ## test-vllm: tests/vllm in the vLLM venv (scripts/vllm-env.sh: built once into a cache outside the clone, ~2-5 min; reused in well under a second)
 test-vllm:

@@ -51,8 +51,10 @@ __all__ = [
     "MetricsConfig",
     "NamespaceLimits",
     "PoolConfig",
+    "RemoteTierConfig",
     "SecurityConfig",
     "ServerConfig",
+    "TiersConfig",
     "load_config",
     "reload_keys",
 ]
@@ -316,6 +318,9 @@ class PoolConfig:
     #: Blocks of the pool's tier 1 in host memory (shm: a segment of its own; cuda:
     #: pinned memory); 0: no tier.
     tier_blocks: int = 0
+    #: Keep the pool's evicted blocks in the shared remote store (``[tiers.remote]``)
+    #: instead of a host tier; several nodes' pools of one layout share them.
+    remote_tier: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name", "must match [A-Za-z0-9_.-]{1,64}")
@@ -341,6 +346,17 @@ class PoolConfig:
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.device >= 0, "device", "must be a GPU index >= 0")
         _require(self.tier_blocks >= 0, "tier_blocks", "must be >= 0")
+        # One tier per pool for now: a host tier in front of the remote one is next.
+        _require(
+            not (self.remote_tier and self.tier_blocks),
+            "remote_tier",
+            "a pool has either a host tier (tier_blocks) or the remote tier",
+        )
+        _require(
+            not self.remote_tier or self.backend == "shm",
+            "remote_tier",
+            "the remote tier copies from shm pools only",
+        )
 
     @property
     def layout(self) -> PoolLayout:
@@ -402,6 +418,41 @@ class EventsConfig:
             self.topic.format(pool="p")
         except (KeyError, IndexError, ValueError):
             raise ConfigError("topic", "may only use the {pool} placeholder") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """Tier 2: a Redis (or Valkey) server shared by several nodes (``kvd.memory.remote``)."""
+
+    #: ``redis://host:port/db``; "" for no remote tier.
+    url: str = ""
+    #: Most seconds one call to the store may take (connect, read, write).
+    timeout_s: float = 0.5
+    #: After a failed call, seconds in which calls fail at once (misses, counted).
+    retry_after_s: float = 5.0
+    #: Expiry of stored blocks in seconds; 0: none (the server's maxmemory policy evicts).
+    ttl_s: int = 0
+    #: Bytes of remote blocks each pool indexes (the names it can promote).
+    max_bytes: int = 1 << 30
+    #: Seconds between reads of the names other nodes stored.
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme if self.url else "redis"
+        _require(
+            scheme in ("redis", "rediss", "unix"), "url", "must be redis://, rediss:// or unix://"
+        )
+        for key in ("timeout_s", "retry_after_s", "poll_s"):
+            _require(getattr(self, key) > 0, key, "must be > 0")
+        _require(self.ttl_s >= 0, "ttl_s", "must be >= 0 (0 = none)")
+        _require(self.max_bytes > 0, "max_bytes", "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TiersConfig:
+    """Tiers shared by pools (a pool's host tier is its own ``tier_blocks``)."""
+
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,12 +518,18 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
 
     def __post_init__(self) -> None:
         _require(len(self.pools) > 0, "pools", "at least one pool is needed")
         seen: set[str] = set()
         for i, pool in enumerate(self.pools):
             _require(pool.name not in seen, f"pools[{i}].name", f"duplicate pool {pool.name!r}")
+            _require(
+                not pool.remote_tier or bool(self.tiers.remote.url),
+                f"pools[{i}].remote_tier",
+                "needs tiers.remote.url",
+            )
             seen.add(pool.name)
 
     def pool(self, name: str) -> PoolConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import zmq
 from kvd_client import wire
 
@@ -181,3 +183,46 @@ def start_kvd(kvd_workdir: Path) -> Iterator[StartKvd]:
 def kvd_daemon(start_kvd: StartKvd) -> KvdProcess:
     """A running daemon with the tiny pool."""
     return start_kvd()
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, for the remote tier's tests."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:  # CI must not pass without the remote tier's tests
+            pytest.fail("redis-server is not installed: `make venv` installs it (apt-get)")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args += ["--appendonly", "no", "--dir", str(workdir)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.kill()
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.02)
+        self.client = client
+
+    def kill(self) -> None:
+        """SIGKILL the server (as a crash would) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(kvd_workdir: Path) -> Iterator[RedisServer]:
+    """A running redis-server, killed at teardown."""
+    server = RedisServer(kvd_workdir)
+    yield server
+    server.client.close()
+    server.kill()

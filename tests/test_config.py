@@ -139,6 +139,11 @@ def test_namespace_limits_from_file(tmp_path: Path) -> None:
         ("pools = []\n", "pools"),
         ("[metrics]\nport = 70000\n", "metrics.port"),
         ("[events]\nbuffer = 0\n", "events.buffer"),
+        ('[tiers.remote]\nurl = "http://x"\n', "tiers.remote.url"),
+        ("[tiers.remote]\ntimeout_s = 0\n", "tiers.remote.timeout_s"),
+        ("[[pools]]\nremote_tier = true\n", "pools[0].remote_tier"),
+        ("[[pools]]\nremote_tier = true\ntier_blocks = 8\n", "pools[0].remote_tier"),
+        ('[[pools]]\nremote_tier = true\nbackend = "cuda"\n', "pools[0].remote_tier"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:

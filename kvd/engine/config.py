@@ -31,8 +31,9 @@ class EngineConfig:
     sequences: new allocations and forks may not dip into them, appends may.
     ``events`` turns the event list off when nobody drains it.
     ``eviction`` picks which cached block goes when the pool is full (one
-    of `EVICTION_POLICIES`). ``tier_blocks``: slots of the pool's tier 1
-    (`kvd.engine.tier`; 0: no tier).
+    of `EVICTION_POLICIES`). ``tier_blocks``: slots of the pool's tier
+    (`kvd.engine.tier`; 0: no tier); ``tier_level``: 1 host memory, 2 a
+    remote store shared by several nodes.
     """
 
     num_blocks: int
@@ -42,6 +43,7 @@ class EngineConfig:
     events: bool = True
     eviction: str = "adaptive"
     tier_blocks: int = 0
+    tier_level: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
@@ -58,6 +60,8 @@ class EngineConfig:
             raise InvalidError(f"events must be a bool, got {type(self.events).__name__}")
         if not _is_int(self.tier_blocks) or self.tier_blocks < 0:
             raise InvalidError(f"tier_blocks must be an int >= 0, got {self.tier_blocks!r}")
+        if self.tier_level not in (1, 2):
+            raise InvalidError(f"tier_level must be 1 or 2, got {self.tier_level!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidError(
                 f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}"

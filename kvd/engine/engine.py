@@ -91,6 +91,7 @@ class Engine:
                 self._holds,
                 config.block_size,
                 self._queue_event if config.events else None,
+                level=config.tier_level,
             )
             if config.tier_blocks
             else None
@@ -658,8 +659,8 @@ class Engine:
                 self._events.append(AllBlocksCleared())
             elif removed:
                 self._events.append(BlockRemoved(removed))
-            if tier_removed:
-                self._events.append(BlockRemoved(tier_removed, tier=1))
+            if tier_removed and self.tier is not None:
+                self._events.append(BlockRemoved(tier_removed, tier=self.tier.level))
         return len(removed)
 
     def _flush_tier(self, namespace: str | None) -> list[bytes]:

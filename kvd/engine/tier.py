@@ -24,6 +24,12 @@ blocks for the tier's part under a hold of the namespace's tier session
 free blocks a copy still writes), and pins the tier entries; the server
 copies, then `promoted` publishes the fresh blocks under their keys and
 lets the hold go, and the allocate runs (all of its prefix now a pool hit).
+
+The same metadata serves tier 2, a store shared by several nodes
+(``level`` 2, `kvd.memory.remote`): its slots only bound how many remote
+names the node indexes, `learn` indexes what other nodes stored (no event:
+they announced it), and a promotion that fails forgets its entries (the
+store lost or spoiled them; asking again would fail again).
 """
 
 from __future__ import annotations
@@ -54,16 +60,18 @@ class TierEntry:
     """One tier slot holding a copy of the block cached under ``key`` in ``namespace``.
 
     ``ref`` counts promotions reading it (it is not evicted meanwhile);
-    ``dead``: flushed while read, its slot goes back when the last reader is done."""
+    ``dead``: flushed while read, its slot goes back when the last reader is done;
+    ``learned``: stored by another node (`Tier.learn`), so its removal is not announced."""
 
-    __slots__ = ("dead", "key", "namespace", "ref", "slot")
+    __slots__ = ("dead", "key", "learned", "namespace", "ref", "slot")
 
-    def __init__(self, slot: int, namespace: str, key: bytes) -> None:
+    def __init__(self, slot: int, namespace: str, key: bytes, learned: bool = False) -> None:
         self.slot = slot
         self.namespace = namespace
         self.key = key
         self.ref = 0
         self.dead = False
+        self.learned = learned
 
 
 class Demotion:
@@ -136,7 +144,7 @@ class TierStats:
 
 
 class Tier:
-    """Tier 1 of one engine: ``num_slots`` slots in the server's tier memory."""
+    """Tier ``level`` of one engine: ``num_slots`` slots in the server's tier store."""
 
     def __init__(
         self,
@@ -145,8 +153,11 @@ class Tier:
         holds: HoldTable,
         block_size: int,
         events: Callable[[Event], None] | None,
+        *,
+        level: int = 1,
     ) -> None:
         self.num_slots = num_slots
+        self.level = level
         self._accounts = accounts
         self._holds = holds
         self._bs = block_size
@@ -218,8 +229,8 @@ class Tier:
                 del self.entries[name]
                 self.free.append(entry.slot)
                 self.stats.evictions += 1
-                if self._emit is not None:
-                    self._emit(BlockRemoved([entry.key], tier=1))
+                if self._emit is not None and not entry.learned:
+                    self._emit(BlockRemoved([entry.key], tier=self.level))
                 return True
         return False
 
@@ -256,7 +267,7 @@ class Tier:
                         block_size=self._bs,
                         namespace=namespace,
                         adapter=None,
-                        tier=1,
+                        tier=self.level,
                     )
                 )
         counted = sum(map(len, stored.values()))
@@ -264,6 +275,21 @@ class Tier:
         stats.blocks = len(entries)
         stats.pending = len(pending)
         return counted
+
+    def learn(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Index ``keys`` of ``namespace`` that another node stored (slots as a
+        demotion takes them); how many were new."""
+        entries, added = self.entries, 0
+        for key in keys:
+            name = (namespace, key)
+            if name in entries:
+                continue
+            if not self.free and not self._evict_one():
+                break
+            entries[name] = TierEntry(self.free.pop(), namespace, key, learned=True)
+            added += 1
+        self.stats.blocks = len(entries)
+        return added
 
     # ------------------------------------------------------------------
     # Promotion
@@ -339,12 +365,19 @@ class Tier:
         entries = self.entries
         for entry in promo.entries:
             entry.ref -= 1
+            name = (entry.namespace, entry.key)
+            if not ok and self.level > 1 and entries.get(name) is entry:
+                del entries[name]
+                entry.dead = True
+                self.dead.append(entry)
+                if self._emit is not None and not entry.learned:
+                    self._emit(BlockRemoved([entry.key], tier=self.level))
             if entry.dead:
                 if not entry.ref:
                     self.dead.remove(entry)
                     self.free.append(entry.slot)
             else:
-                entries.move_to_end((entry.namespace, entry.key))
+                entries.move_to_end(name)
         who = (owner.namespace.name, owner.adapter)
         left = self._sessions[who][1] - 1
         if left:

@@ -45,6 +45,8 @@ def _spans(
 class PinnedHostTier:
     """Tier 1 of a cuda pool in pinned host memory (a `tier.TierStore`)."""
 
+    level = 1
+
     def __init__(
         self, pool: CudaAllocation, layout: PoolLayout, host: int, size: int, stream: Any
     ) -> None:

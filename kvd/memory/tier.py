@@ -2,9 +2,10 @@
 
 `TierStore` is the small interface a tier's bytes live behind: `store`
 copies pool blocks into tier slots (demotion), `load` copies tier slots
-into pool blocks (promotion). Each takes the blocks' keys as well, which
-the host tier ignores (its slots are its addresses) and a remote store
-(Redis, Mooncake) would use as its object names. Both block, so the server
+into pool blocks (promotion). Each takes the blocks' names as well
+(`object_name`: namespace and key), which the host tier ignores (its slots
+are its addresses) and a remote store uses as its object names
+(`kvd.memory.remote`; ``level`` says which tier a store is). Both block, so the server
 calls them from worker threads, never from the event loop or the request
 thread; an exception means nothing was copied that counts.
 
@@ -30,7 +31,9 @@ __all__ = [
     "HostTier",
     "TierStore",
     "block_view",
+    "object_name",
     "runs",
+    "split_name",
     "tier_layout",
     "tier_segment_name",
 ]
@@ -42,6 +45,8 @@ class TierStore(Protocol):
 
     #: Bytes one block's copy takes (what a move of one block costs).
     block_bytes: int
+    #: Which tier the store is (1: host memory on the node, 2: remote, shared).
+    level: int
 
     def store(self, blocks: Sequence[int], slots: Sequence[int], keys: Sequence[bytes]) -> int:
         """Copy pool ``blocks`` into tier ``slots`` (pairwise); the bytes moved."""
@@ -58,6 +63,18 @@ class TierStore(Protocol):
     def close(self) -> None:
         """Release the store (idempotent)."""
         ...
+
+
+def object_name(namespace: str, key: bytes) -> bytes:
+    """The name of ``namespace``'s block ``key`` in a tier store: the key's
+    length (one byte), the key, the namespace (UTF-8)."""
+    return bytes((len(key),)) + key + namespace.encode()
+
+
+def split_name(name: bytes) -> tuple[str, bytes]:
+    """``(namespace, key)`` of an `object_name`."""
+    end = 1 + name[0]
+    return name[end:].decode(), name[1:end]
 
 
 def tier_layout(layout: PoolLayout, tier_blocks: int) -> PoolLayout:
@@ -119,6 +136,8 @@ def _copy(
 
 class HostTier:
     """Tier 1 of a pool in host memory: a shm segment sized for ``tier_blocks`` blocks."""
+
+    level = 1
 
     def __init__(self, pool_layout: PoolLayout, pool_buffer: memoryview, segment: ShmSegment):
         self._segment = segment

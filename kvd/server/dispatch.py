@@ -129,7 +129,7 @@ class Dispatcher:
         self.info = Info(self.state)
         self._pending: list[PendingHello] = []
         self.tiers = Tiers(self.state, on_events, self.finish_promotion)
-        if any(pool.tier_blocks for pool in config.pools):  # runtime pools have no tier
+        if any(p.tier_blocks or p.remote_tier for p in config.pools):  # runtime pools have none
             self.info.sections["tiers"] = self.tiers.stats
         limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         seq = SequenceHandlers(limits, self.tiers)

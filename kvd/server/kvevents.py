@@ -88,6 +88,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_HOST_TIER",
+    "MEDIUM_REMOTE_TIER",
     "EventChannel",
     "KVEventPublisher",
     "WireFormat",
@@ -104,6 +105,9 @@ MEDIUM_GPU: Final = "GPU"
 #: ``medium`` of tier 1's copies (`kvd.engine.tier`) of a pool in host memory; a
 #: device pool's tier 1 is vLLM's "CPU" (host memory under device memory).
 MEDIUM_HOST_TIER: Final = "CPU_TIER1"
+#: ``medium`` of tier 2's copies: the remote store shared by several nodes
+#: (`kvd.memory.remote`; LMCache and Dynamo call such a tier remote).
+MEDIUM_REMOTE_TIER: Final = "REMOTE"
 
 WireFormat = Literal["vllm", "vllm-legacy"]
 
@@ -429,7 +433,8 @@ class KVEventPublisher:
         last: dict[str, Any] | None = None
         for event in events:
             kind = type(event).__name__
-            medium = tier_medium if getattr(event, "tier", 0) else pool_medium
+            tier = getattr(event, "tier", 0)
+            medium = pool_medium if not tier else tier_medium if tier == 1 else MEDIUM_REMOTE_TIER
             if kind == "BlockRemoved":
                 hashes = [int.from_bytes(key[-8:], "big") for key in event.keys]
                 if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:

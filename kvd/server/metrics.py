@@ -36,7 +36,8 @@ ignored; numbers are ints or floats)::
       "events": {"batches": n, "events": n, "replays": n},   # optional: KVEventPublisher.stats()
       "tiers": {"<pool>": {"tier": 1, "blocks": n, "capacity": n, "bytes": n, "hits": n,
                            "promotions": n, "demotions": n, "lost": n, "evictions": n,
-                           "errors": n, "bytes_moved": n}},   # optional: kvd.server.tiers
+                           "errors": n, "bytes_moved": n,     # optional: kvd.server.tiers
+                           "store_errors": {"<CODE>": n}}},   # tier 2 (remote) only
     }
 
 Prefix counters are per namespace from ``prefix.namespaces``; a pool without
@@ -69,6 +70,7 @@ kvd_tier_lost_total                        counter    pool, tier: copies voided 
 kvd_tier_evictions_total                   counter    pool, tier: copies dropped for room
 kvd_tier_errors_total                      counter    pool, tier: blocks whose copy failed
 kvd_tier_bytes_moved_total                 counter    pool, tier: bytes copied, both ways
+kvd_tier_store_errors_total                counter    pool, tier, code: a store's failed calls
 kvd_request_duration_seconds               histogram  kind: request handling time
 kvd_stats_up                               gauge      1 when the last snapshot was read
 kvd_build_info                             gauge      version
@@ -371,6 +373,17 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
                 for key, tier_family in families:
                     _add(tier_family, [str(pool), str(stats.get("tier", 1))], stats.get(key))
         yield from (tier_family for _, tier_family in families)
+        # A remote store's failed calls by code (kvd.memory.remote): why its copies failed.
+        store_errors = CounterMetricFamily(
+            "kvd_tier_store_errors",
+            "Failed calls to a tier's store, by error code.",
+            labels=[*labels, "code"],
+        )
+        for pool, stats in tiers.items():
+            codes = stats.get("store_errors") if isinstance(stats, Mapping) else None
+            for code, count in (codes or {}).items():
+                _add(store_errors, [str(pool), str(stats.get("tier", 1)), str(code)], count)
+        yield store_errors
 
 
 def _section(mapping: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -33,6 +33,7 @@ from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memor
 from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
 from kvd.memory.cuda import CudaAllocation
 from kvd.memory.cuda_tier import PinnedHostTier
+from kvd.memory.remote import RedisTier
 from kvd.memory.shm import ShmSegment
 from kvd.memory.tier import HostTier, TierStore, tier_layout
 
@@ -159,6 +160,17 @@ class Pools:
                 tier = HostTier.create(
                     pool.name, pool.layout, memory.buffer(), pool.tier_blocks, **opts
                 )
+            elif pool.remote_tier:
+                assert isinstance(memory, ShmSegment)  # PoolConfig refuses a cuda one
+                remote = self.config.tiers.remote
+                tier = RedisTier(
+                    pool.layout,
+                    memory.buffer(),
+                    remote.url,
+                    timeout_s=remote.timeout_s,
+                    retry_after_s=remote.retry_after_s,
+                    ttl_s=remote.ttl_s,
+                )
         except BaseException:
             memory.close()
             raise
@@ -174,7 +186,8 @@ class Pools:
                 watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
                 events=self.config.events.enabled,
                 eviction=self.config.cache.eviction,
-                tier_blocks=pool.tier_blocks,
+                tier_blocks=self._remote_blocks(pool) if pool.remote_tier else pool.tier_blocks,
+                tier_level=2 if pool.remote_tier else 1,
             )
         )
         for ns, limits in adm.namespaces.items():
@@ -182,6 +195,11 @@ class Pools:
                 ns, quota=limits.quota_blocks or None, minimum=limits.minimum_blocks
             )
         return engine
+
+    def _remote_blocks(self, pool: PoolConfig) -> int:
+        """Slots of ``pool``'s remote tier index: the blocks ``max_bytes`` holds."""
+        layout = pool.layout
+        return max(1, self.config.tiers.remote.max_bytes // (layout.num_layers * layout.page_bytes))
 
     def add(self, pool: ServedPool) -> None:
         """Serve ``pool`` (under the request lock)."""

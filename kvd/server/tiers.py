@@ -23,6 +23,12 @@ in worker threads, and tells the engine under the request lock:
 A copy that raises counts as an error (`TierStats.errors`): a failed
 demotion leaves the block uncopied, a failed promotion publishes nothing
 (the client then computes that part itself).
+
+- *Discovery* (remote tier only): a loop task reads, every
+  ``tiers.remote.poll_s``, the names the nodes sharing the store stored
+  (`RedisTier.poll`, a worker thread) and indexes them (`Tier.learn`), so
+  an allocate finds another node's blocks without a network call on the
+  request path; a name stored since the last read is a miss until the next.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import structlog
 from kvd_client import wire
 
 from kvd.engine.tier import Demotion, Promotion
+from kvd.memory.remote import RedisTier, RemoteError
+from kvd.memory.tier import object_name, split_name
 from kvd.server.context import Outcome, ServerState, SessionCall
 from kvd.server.pools import ServedPool
 
@@ -182,6 +190,8 @@ class Tiers:
         self._demote_wake.bind()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._demote_all, lock)
+            if any(isinstance(pool.tier, RedisTier) for pool in self._state.pools):
+                tg.start_soon(self._learn_all, lock)
             jobs = self.jobs
             while True:
                 while jobs:
@@ -211,6 +221,32 @@ class Tiers:
             self._publish(pool)
         return True
 
+    async def _learn_all(self, lock: threading.Lock) -> None:
+        """Index what the nodes sharing each remote store stored, every ``poll_s``."""
+        pause = self._state.config.tiers.remote.poll_s
+        while True:
+            for pool in list(self._state.pools):
+                if isinstance(pool.tier, RedisTier):
+                    await self._learn(pool, pool.tier, lock)
+            await anyio.sleep(pause)
+
+    async def _learn(self, pool: ServedPool, store: RedisTier, lock: threading.Lock) -> None:
+        try:
+            names = await anyio.to_thread.run_sync(store.poll)
+        except Exception as exc:  # counted by the store; the next poll retries
+            log.debug("tier_poll_failed", pool=pool.name, error=str(exc))
+            return
+        by_namespace: dict[str, list[bytes]] = {}
+        for name in names:
+            namespace, key = split_name(name)
+            by_namespace.setdefault(namespace, []).append(key)
+        tier = pool.engine.tier
+        assert tier is not None
+        with lock:
+            for namespace, keys in by_namespace.items():
+                tier.learn(namespace, keys)
+            self._publish(pool)
+
     def _copy_out(self, pool: ServedPool, batch: list[Demotion]) -> bool:
         assert pool.tier is not None
         blocks = [d.block_id for d in batch]
@@ -230,9 +266,18 @@ class Tiers:
         what: list[Demotion] | Promotion,
     ) -> bool:
         """One copy (worker thread): True when every byte moved."""
-        keys = what.keys if isinstance(what, Promotion) else [d.key for d in what]
+        if isinstance(what, Promotion):
+            namespace = what.session.namespace.name
+            names = [object_name(namespace, key) for key in what.keys]
+        else:
+            names = [object_name(d.namespace, d.key) for d in what]
         try:
-            moved = move(src, dst, keys)
+            moved = move(src, dst, names)
+        except RemoteError as exc:  # expected when a store fails: no traceback, its code
+            log.warning("tier_copy_failed", pool=pool.name, blocks=len(src), error=str(exc))
+            with self._counts_lock:
+                self._failed[pool.name] += 1
+            return False
         except Exception:
             log.exception("tier_copy_failed", pool=pool.name, blocks=len(src))
             with self._counts_lock:
@@ -279,7 +324,7 @@ class Tiers:
             counts = pool.engine.tier.snapshot()
             per_block = pool.tier.block_bytes
             out[pool.name] = {
-                "tier": 1,
+                "tier": pool.tier.level,
                 **pool.tier.info(),
                 **counts.to_dict(),
                 "bytes": counts.blocks * per_block,

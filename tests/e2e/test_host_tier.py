@@ -13,50 +13,18 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from tiering import BS, SETTLE_S, AgentProcess, KvdProcess, compute, evict_everything, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-BS = 16  # the tiny pool's block size
-#: A daemon (tests/conftest.KvdProcess), a client process (tests/e2e/conftest.AgentProcess).
-KvdProcess = AgentProcess = Any
 StartKvd = Callable[..., Any]
 #: A pool of 8 blocks over a tier of 32 (4x), and the KV events on a free port.
 TIERED = {"pools.0.num_blocks": "8", "pools.0.tier_blocks": "32"}
 _CTL = "import sys; from kvd_client.ctl import main; sys.exit(main())"
-#: How long the background copies may take on a loaded machine (a bound, not a measure).
-SETTLE_S = 30.0
-
-
-def wait_for(daemon: KvdProcess, what: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The pool's ``tiers`` stats once ``what`` holds for them (copies run in the background)."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        tier: dict[str, Any] = daemon.stats()["tiers"]["default"]
-        if what(tier) or time.monotonic() > deadline:
-            return tier
-        time.sleep(0.01)
-
-
-def compute(agent: AgentProcess, seq: str, prompt: list[int]) -> list[float]:
-    """Allocate ``prompt``, write a distinct value per position, commit, free; the values."""
-    agent.ok("allocate", seq=seq, tokens=prompt)
-    # Integers below 2048: exact in the pool's float16.
-    values = [float((prompt[pos] * 7 + pos) % 2000) for pos in range(len(prompt))]
-    for pos, value in enumerate(values):
-        agent.ok("fill", seq=seq, start=pos, stop=pos + 1, value=value)
-    agent.ok("commit", seq=seq)
-    agent.ok("free", seq=seq)
-    return values
 
 
 @pytest.fixture
 def tiered(start_kvd: StartKvd) -> KvdProcess:
     return start_kvd(overrides=TIERED)
-
-
-def evict_everything(agent: AgentProcess) -> None:
-    """Fill the whole 8-block pool with another prompt, then let it go."""
-    agent.ok("allocate", seq="other", tokens=list(range(5000, 5000 + 8 * BS)))
-    agent.ok("free", seq="other")
 
 
 def test_an_evicted_prefix_is_a_hit_from_tier_1_with_its_bytes(

@@ -18,6 +18,7 @@ from kvd.server.kvevents import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_HOST_TIER,
+    MEDIUM_REMOTE_TIER,
     EventChannel,
     KVEventPublisher,
 )
@@ -790,4 +791,16 @@ def test_tier_moves_carry_the_tier_medium_and_stay_apart(ctx: Any) -> None:
     pub.flush()
     events = _decode(_recv(sub)[2])[1]
     assert [e["medium"] for e in events] == [MEDIUM_CPU, MEDIUM_HOST_TIER]
+    pub.close()
+
+
+def test_remote_tier_moves_carry_the_remote_medium(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    sub = _subscribe(ctx, pub)
+    channel = pub.channel(clear=False)
+    a = _keys(range(32))
+    channel.extend([BlockRemoved(a[:1], tier=1), BlockRemoved(a[1:], tier=2)])
+    pub.flush()
+    events = _decode(_recv(sub)[2])[1]
+    assert [e["medium"] for e in events] == [MEDIUM_HOST_TIER, MEDIUM_REMOTE_TIER]
     pub.close()

@@ -239,3 +239,13 @@ def test_tier_figures_per_pool_and_tier(serve: Any) -> None:
     assert samples[("kvd_tier_capacity_blocks", labels)] == 64
     assert samples[("kvd_tier_promotions_total", labels)] == 5
     assert samples[("kvd_tier_bytes_moved_total", labels)] == 4096
+
+
+def test_a_remote_stores_failures_by_code(serve: Any) -> None:
+    def with_remote() -> dict[str, Any]:
+        tier = {"tier": 2, "blocks": 3, "store_errors": {"REMOTE_UNAVAILABLE": 4}}
+        return {"tiers": {"llama": tier}}
+
+    samples = _scrape(serve(with_remote))
+    labels = (("code", "REMOTE_UNAVAILABLE"), ("pool", "llama"), ("tier", "2"))
+    assert samples[("kvd_tier_store_errors_total", labels)] == 4
