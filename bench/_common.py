@@ -201,11 +201,17 @@ def _toml(value: object) -> str:
 
 
 @contextlib.contextmanager
-def run_daemon(pool: Mapping[str, object], *, timeout: float = 60.0) -> Iterator[DaemonProcess]:
+def run_daemon(
+    pool: Mapping[str, object],
+    *,
+    timeout: float = 60.0,
+    sections: Mapping[str, Mapping[str, object]] | None = None,
+) -> Iterator[DaemonProcess]:
     """Run ``kvd`` with one pool on a fresh ipc:// socket until the block ends.
 
     ``pool`` holds the ``[[pools]]`` keys of ``config/kvd.toml`` that differ from the
-    defaults (e.g. ``{"num_blocks": 8192}``), written with metrics off (no port to
+    defaults (e.g. ``{"num_blocks": 8192}``), and ``sections`` other tables by dotted
+    name (e.g. ``{"tiers.remote": {"url": ...}}``), written with metrics off (no port to
     collide on) to a config file in a temporary directory that also holds the
     socket. The daemon is this interpreter's ``python -m kvd.cli``, logging JSON to a
     pipe that is read until its ``ready`` event and drained after. On leaving,
@@ -218,6 +224,8 @@ def run_daemon(pool: Mapping[str, object], *, timeout: float = 60.0) -> Iterator
     config = tmp / "kvd.toml"
     lines_toml = ["[metrics]", "enabled = false", "", "[[pools]]", 'name = "default"']
     lines_toml += [f"{k} = {_toml(v)}" for k, v in pool.items() if k != "name"]
+    for table, keys in (sections or {}).items():
+        lines_toml += ["", f"[{table}]", *(f"{k} = {_toml(v)}" for k, v in keys.items())]
     config.write_text("\n".join(lines_toml) + "\n")
     args = [sys.executable, "-m", "kvd.cli", "--config", str(config), "--address", address]
     args += ["--log-format", "json"]

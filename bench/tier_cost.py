@@ -26,10 +26,21 @@ from typing import Any
 
 import numpy as np
 from kvd_client import Client
+from kvd_client.wire import PoolLayout
 
 from bench._common import Figure, run_daemon
 
-__all__ = ["PromotionCost", "describe", "figures", "measure"]
+__all__ = [
+    "PromotionCost",
+    "describe",
+    "example_model",
+    "figures",
+    "measure",
+    "prefill_seconds",
+    "promotion_figure",
+    "promotion_rounds",
+    "prompts",
+]
 
 _EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: How long the background demotion may take before the run gives up (a bound, not a figure).
@@ -53,7 +64,7 @@ class PromotionCost:
         return self.tokens / self.prefill_s
 
 
-def _example_model() -> Any:
+def example_model() -> Any:
     """``examples/kvd_llm/model.py`` (the examples are not a package of the repository)."""
     if str(_EXAMPLES) not in sys.path:
         sys.path.insert(0, str(_EXAMPLES))
@@ -64,16 +75,16 @@ def _example_model() -> Any:
 
 def _pool(num_blocks: int, tier_blocks: int) -> dict[str, object]:
     """The ``[[pools]]`` keys of a pool of the example model's layout with a tier."""
-    layout = _example_model().SIZES["demo"].layout(num_blocks)
+    layout = example_model().SIZES["demo"].layout(num_blocks)
     keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "num_blocks")
     return {key: getattr(layout, key) for key in keys} | {"tier_blocks": tier_blocks}
 
 
-def _prefill_seconds(tokens: int, rounds: int) -> float:
+def prefill_seconds(tokens: int, rounds: int) -> float:
     """Median time of the example model's prefill of ``tokens`` tokens (no kvd)."""
     import torch
 
-    example = _example_model()
+    example = example_model()
     cfg = example.SIZES["demo"]
     torch.set_num_threads(1)  # as the demo's figures: threads wait on each other on 2 cores
     model = example.TinyLlama(cfg).eval()
@@ -97,39 +108,55 @@ def _wait_demoted(kv: Client, blocks: int) -> None:
     raise RuntimeError(f"tier 1 did not take {blocks} blocks within {_SETTLE_S} s")
 
 
-def measure(tokens: int = 1024, rounds: int = 5) -> PromotionCost:
-    """Promotion, plain hit and recompute of a ``tokens``-token prompt (see the module)."""
-    layout = _example_model().SIZES["demo"].layout(num_blocks=1)
-    bs = layout.block_size
-    blocks = tokens // bs
-    pool = _pool(blocks + 2, 4 * (blocks + 2))
+def prompts(tokens: int) -> tuple[PoolLayout, int, np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The example layout (one block), the prompt's full blocks, the prompt
+    (``tokens`` + 1 ids) and another prompt that fills a pool of blocks + 2."""
+    layout = example_model().SIZES["demo"].layout(num_blocks=1)
+    blocks = tokens // layout.block_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 256, tokens + 1, dtype=np.int32)
-    other = rng.integers(256, 512, (blocks + 2) * bs, dtype=np.int32)
+    other = rng.integers(256, 512, (blocks + 2) * layout.block_size, dtype=np.int32)
+    return layout, blocks, prompt, other
+
+
+def promotion_rounds(
+    kv: Client, prompt: np.ndarray[Any, Any], other: np.ndarray[Any, Any], cached: int, rounds: int
+) -> tuple[float, float]:
+    """Medians of ``kv``'s allocate of ``prompt`` promoting ``cached`` tokens after
+    ``other`` pushed them out of the pool, and of the same allocate as a plain hit."""
     promote, hit = [], []
+    for _ in range(rounds):
+        kv.allocate("evict", other).free()  # the whole pool: the prefix leaves it
+        t0 = time.perf_counter()
+        seq = kv.allocate("b", prompt)
+        promote.append(time.perf_counter() - t0)
+        assert seq.num_cached_tokens == cached, seq.num_cached_tokens
+        seq.free()
+        t0 = time.perf_counter()
+        seq = kv.allocate("b", prompt)
+        hit.append(time.perf_counter() - t0)
+        seq.free()
+    return statistics.median(promote), statistics.median(hit)
+
+
+def measure(tokens: int = 1024, rounds: int = 5) -> PromotionCost:
+    """Promotion, plain hit and recompute of a ``tokens``-token prompt (see the module)."""
+    layout, blocks, prompt, other = prompts(tokens)
+    bs = layout.block_size
+    pool = _pool(blocks + 2, 4 * (blocks + 2))
     with run_daemon(pool) as daemon, Client.connect(daemon.address, name="bench-tier") as kv:
         seq = kv.allocate("a", prompt)
         seq.commit()
         seq.free()
         _wait_demoted(kv, blocks)
-        for _ in range(rounds):
-            kv.allocate("evict", other).free()  # the whole pool: the prefix leaves it
-            t0 = time.perf_counter()
-            seq = kv.allocate("b", prompt)
-            promote.append(time.perf_counter() - t0)
-            assert seq.num_cached_tokens == blocks * bs, seq.num_cached_tokens
-            seq.free()
-            t0 = time.perf_counter()
-            seq = kv.allocate("b", prompt)
-            hit.append(time.perf_counter() - t0)
-            seq.free()
+        promote_s, hit_s = promotion_rounds(kv, prompt, other, blocks * bs, rounds)
     return PromotionCost(
         tokens=blocks * bs,
         blocks=blocks,
         block_bytes=layout.num_layers * layout.page_bytes,
-        promote_s=statistics.median(promote),
-        hit_s=statistics.median(hit),
-        prefill_s=_prefill_seconds(blocks * bs, rounds),
+        promote_s=promote_s,
+        hit_s=hit_s,
+        prefill_s=prefill_seconds(blocks * bs, rounds),
     )
 
 
@@ -165,20 +192,23 @@ def churn(think_ms: tuple[float, ...] = (0.0, 1.0, 5.0), requests: int = 200) ->
     return lines
 
 
-def figures(cost: PromotionCost) -> list[Figure]:
+def promotion_figure(cost: PromotionCost, source: str = "") -> Figure:
     """The recompute a promotion saves beside the promotion (score: how many
-    times cheaper the promotion is; target: cheaper at all)."""
+    times cheaper the promotion is; target: cheaper at all); ``source``: from where."""
     size = cost.blocks * cost.block_bytes / 2**20
-    return [
-        Figure(
-            f"recompute {cost.tokens} tokens (example model)",
-            cost.prefill_s * 1e3,
-            "ms",
-            f"allocate promoting them ({size:.0f} MiB)",
-            cost.promote_s * 1e3,
-            1.0,
-        )
-    ]
+    return Figure(
+        f"recompute {cost.tokens} tokens (example model)",
+        cost.prefill_s * 1e3,
+        "ms",
+        f"allocate promoting them{source} ({size:.0f} MiB)",
+        cost.promote_s * 1e3,
+        1.0,
+    )
+
+
+def figures(cost: PromotionCost) -> list[Figure]:
+    """The promotion's figure (`promotion_figure`)."""
+    return [promotion_figure(cost)]
 
 
 def describe(cost: PromotionCost) -> str:
