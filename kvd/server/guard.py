@@ -3,12 +3,13 @@
 `guard_connections` runs on the event loop, as often as memory could reach
 the budget (`next_check`: every `GUARD_INTERVAL` near it, ~16 times a
 second when idle, so an idle daemon does not steal the cores of the
-inference processes beside it): it follows the ROUTER's connections through its monitor socket, shuts down
-those that sent no hello within ``server.hello_timeout_ms`` and, when the
-daemon's anonymous memory (less what queued replies hold) grew by
-``server.memory_guard_bytes``, those that sent no complete message
-meanwhile: libzmq buffers an unfinished multipart message without bound,
-so this bounds it from outside (see `transport.ConnectionWatch`).
+inference processes beside it): it follows the ROUTER's connections
+through its monitor socket, shuts down those that sent no hello within
+``server.hello_timeout_ms`` and, when the daemon's anonymous memory (less
+what queued replies hold) grew by ``server.memory_guard_bytes``, those
+that sent no complete message meanwhile: libzmq buffers an unfinished
+multipart message without bound, so this bounds it from outside (see
+`transport.ConnectionWatch`).
 """
 
 from __future__ import annotations
