@@ -140,7 +140,7 @@ def precompute_keys(prompts: list[Tokens]) -> list[list[bytes]]:
 
 
 def replay(
-    prompts: list[Tokens], keys: list[list[bytes]] | None = None, eviction: str = "frequency"
+    prompts: list[Tokens], keys: list[list[bytes]] | None = None, eviction: str = "adaptive"
 ) -> Result:
     """Run the workload once on a fresh engine (with precomputed ``keys``:
     manager only) evicting by ``eviction`` (the engine's default policy)."""

@@ -68,7 +68,7 @@ TARGET_VS_OPTIMUM = -5.0
 DEFAULT_TIER_FACTOR = 4
 
 
-def replay_kvd(trace: Trace, capacity: int, eviction: str = "frequency") -> Outcome:
+def replay_kvd(trace: Trace, capacity: int, eviction: str = "adaptive") -> Outcome:
     """Replay through kvd's engine with ``capacity`` 16-token blocks."""
     from kvd.engine import Engine, EngineConfig, Refusal
 
