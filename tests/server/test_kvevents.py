@@ -782,25 +782,19 @@ def test_legacy_format_leaves_out_the_fields_added_after_0_23(ctx: Any) -> None:
     pub.close()
 
 
-def test_tier_moves_carry_the_tier_medium_and_stay_apart(ctx: Any) -> None:
+@pytest.mark.parametrize(
+    ("tiers", "mediums"),
+    [((0, 1), [MEDIUM_CPU, MEDIUM_HOST_TIER]), ((1, 2), [MEDIUM_HOST_TIER, MEDIUM_REMOTE_TIER])],
+)
+def test_tier_moves_carry_their_tier_medium_and_stay_apart(
+    ctx: Any, tiers: tuple[int, int], mediums: list[str]
+) -> None:
     pub = _publisher(ctx)
     sub = _subscribe(ctx, pub)
     channel = pub.channel(clear=False)
     a = _keys(range(32))
-    channel.extend([BlockRemoved(a[:1]), BlockRemoved(a[1:], tier=1)])
+    channel.extend([BlockRemoved(a[:1], tier=tiers[0]), BlockRemoved(a[1:], tier=tiers[1])])
     pub.flush()
     events = _decode(_recv(sub)[2])[1]
-    assert [e["medium"] for e in events] == [MEDIUM_CPU, MEDIUM_HOST_TIER]
-    pub.close()
-
-
-def test_remote_tier_moves_carry_the_remote_medium(ctx: Any) -> None:
-    pub = _publisher(ctx)
-    sub = _subscribe(ctx, pub)
-    channel = pub.channel(clear=False)
-    a = _keys(range(32))
-    channel.extend([BlockRemoved(a[:1], tier=1), BlockRemoved(a[1:], tier=2)])
-    pub.flush()
-    events = _decode(_recv(sub)[2])[1]
-    assert [e["medium"] for e in events] == [MEDIUM_HOST_TIER, MEDIUM_REMOTE_TIER]
+    assert [e["medium"] for e in events] == mediums
     pub.close()
