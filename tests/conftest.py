@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import zmq
 from kvd_client import wire
 
@@ -189,6 +188,10 @@ class RedisServer:
     """A real redis-server on a free loopback port, for the remote tier's tests."""
 
     def __init__(self, workdir: Path) -> None:
+        # Here, not at the top: tests/vllm share this conftest in vLLM's venv, which has
+        # no redis-py (only the remote tier needs it).
+        import redis
+
         binary = shutil.which("redis-server")
         if binary is None:  # CI must not pass without the remote tier's tests
             pytest.fail("redis-server is not installed: `make venv` installs it (apt-get)")
