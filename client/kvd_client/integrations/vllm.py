@@ -71,6 +71,7 @@ from kvd_client.integrations.vllm_plan import (
     StepPlan,
     WorkerSide,
     as_pages,
+    create_or_attach,
     describe,
     model_digest,
     paged_layout,
@@ -185,26 +186,23 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _connect(self, name: str) -> Client:
         """Create or attach the pool; an existing pool of this layout in another size is used."""
-        try:
-            return Client.connect(
-                self._address,
-                pool=self.pool,
-                name=name,
-                namespace=self._namespace,
-                layout=self.layout,
-                create=True,
-                backend="shm",
-                timeout=max(self._timeout, 30.0),  # creating the pool prefaults it
-            )
-        except LayoutMismatch:
-            kv = Client.connect(self._address, pool=self.pool, name=name, namespace=self._namespace)
-            theirs = kv.layout
-            if theirs is None or not same_but_size(self.layout, theirs):
+        kv, theirs = create_or_attach(
+            self._address,
+            pool=self.pool,
+            name=name,
+            namespace=self._namespace,
+            layout=self.layout,
+            timeout=self._timeout,
+        )
+        if theirs is not None:
+            if not same_but_size(self.layout, theirs):
                 kv.close()
-                raise
+                raise LayoutMismatch(
+                    f"kvd pool {self.pool!r} is {theirs}, not {self.layout} in another size"
+                )
             self.layout = theirs
             log.info("kvd pool %r exists with %d blocks: using it", self.pool, theirs.num_blocks)
-            return kv
+        return kv
 
     # -- scheduler side ----------------------------------------------------
 

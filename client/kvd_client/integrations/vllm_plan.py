@@ -51,6 +51,7 @@ __all__ = [
     "SchedulerPlan",
     "StepPlan",
     "copy_pages",
+    "create_or_attach",
     "model_digest",
     "paged_layout",
     "paired_runs",
@@ -111,6 +112,42 @@ def pool_name(layout: PoolLayout) -> str:
     shape = {k: v for k, v in layout.to_dict().items() if k != "num_blocks"}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
     return f"vllm-{digest}"
+
+
+def create_or_attach(
+    address: str | None,
+    *,
+    pool: str,
+    name: str,
+    namespace: str,
+    layout: PoolLayout,
+    timeout: float,
+) -> tuple[Client, PoolLayout | None]:
+    """A session on ``pool``, created for ``layout`` if it does not exist.
+
+    When it exists in another layout, the session is attached without one and
+    that layout is returned beside it (None: ``layout`` is the pool's), for
+    the caller to use or refuse (closing the session).
+    """
+    from kvd_client.client import Client  # noqa: PLC0415 - vllm_plan loads no client eagerly
+
+    try:
+        return Client.connect(
+            address,
+            pool=pool,
+            name=name,
+            namespace=namespace,
+            layout=layout,
+            create=True,
+            backend="shm",
+            timeout=max(timeout, 30.0),  # creating the pool prefaults it
+        ), None
+    except LayoutMismatch:
+        kv = Client.connect(address, pool=pool, name=name, namespace=namespace)
+        if kv.layout is None:
+            kv.close()
+            raise
+        return kv, kv.layout
 
 
 def same_but_size(ours: PoolLayout, theirs: PoolLayout) -> bool:

@@ -70,9 +70,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvd_client.client import Client
-from kvd_client.errors import KvdError, LayoutMismatch, OutOfBlocks, QuotaExceeded
+from kvd_client.errors import KvdError, OutOfBlocks, QuotaExceeded
 from kvd_client.integrations.vllm_plan import (
     Link,
+    create_or_attach,
     describe,
     model_digest,
     paged_layout,
@@ -255,25 +256,22 @@ class SharedWorker:
 
     def _connect(self) -> Client:
         s = self.settings
-        try:
-            return Client.connect(
-                s.address,
-                pool=self.pool,
-                name="vllm-shared-worker",
-                namespace=s.namespace,
-                layout=self.layout,
-                create=True,
-                backend="shm",
-                timeout=max(s.timeout_s, 30.0),  # creating the pool prefaults it
-            )
-        except LayoutMismatch:
-            with Client.connect(s.address, pool=self.pool, namespace=s.namespace) as kv:
-                theirs = kv.layout
-            have = "?" if theirs is None else theirs.num_blocks
+        kv, theirs = create_or_attach(
+            s.address,
+            pool=self.pool,
+            name="vllm-shared-worker",
+            namespace=s.namespace,
+            layout=self.layout,
+            timeout=s.timeout_s,
+        )
+        if theirs is not None:
+            kv.close()
+            have = theirs.num_blocks
             raise ValueError(
                 f"the kvd pool {self.pool!r} has {have} blocks, this vLLM "
                 f"{self.layout.num_blocks}: start it with num_gpu_blocks_override={have}"
-            ) from None
+            )
+        return kv
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         """Map the pool (creating it if none) and have vLLM's KV allocation be it."""
@@ -317,6 +315,16 @@ class _Publish:
     parent: bytes | None
 
 
+@dataclass(slots=True)
+class _Step:
+    """A scheduled step's publications: sent once its output arrived (``written``)."""
+
+    #: ``id()`` of the step's SchedulerOutput (vLLM hands the same object back).
+    output: int
+    pubs: list[_Publish]
+    written: bool = False
+
+
 class KvdBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` over the ids kvd holds for this process.
 
@@ -343,7 +351,7 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
         self._parked: set[int] = set()
         self._step: list[_Publish] = []
         #: Per scheduled step: its publications and whether its output arrived.
-        self._steps: deque[tuple[int, list[_Publish], list[bool]]] = deque()
+        self._steps: deque[_Step] = deque()
         self._released: list[int] = []
         #: (hold, ids) to release that are held here under another hold too.
         self._extra_releases: list[tuple[int, list[int]]] = []
@@ -447,14 +455,14 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
 
     def end_step(self, output: SchedulerOutput) -> None:
         """The step ``output`` was scheduled: what it cached publishes after its output."""
-        self._steps.append((id(output), self._step, [False]))
+        self._steps.append(_Step(id(output), self._step))
         self._step = []
 
     def written(self, output: SchedulerOutput) -> None:
         """The output of step ``output`` arrived: its forward pass wrote its blocks."""
-        for key, _, done in self._steps:
-            if key == id(output):
-                done[0] = True
+        for step in self._steps:
+            if step.output == id(output):
+                step.written = True
 
     def sync(self, waiting: Iterable[Request], running: int, budget_tokens: int) -> None:
         """One kvd batch before a step: publish, release, look up ``waiting``'s prefixes, top up.
@@ -464,8 +472,8 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
         ones, within ``budget_tokens`` (or the fixed ``spare_target``).
         """
         pubs: list[_Publish] = []
-        while self._steps and self._steps[0][2][0]:
-            pubs += self._steps.popleft()[1]
+        while self._steps and self._steps[0].written:
+            pubs += self._steps.popleft().pubs
         wanted, lookups, demand = self._wanted(waiting, -(-budget_tokens // self.hash_block_size))
         target = self.spare_target
         if target is None:  # an idle process (nothing to run) keeps no reserve
@@ -486,7 +494,7 @@ class KvdBlockPool(BlockPool):  # type: ignore[misc]
             self.counters["release_lost"] += len(released)  # kvd reclaims them at exit
             for pub in pubs:
                 self.unpublished.update(pub.blocks)
-            self._steps.appendleft((0, pubs, [True]))
+            self._steps.appendleft(_Step(0, pubs, written=True))
             for req, _ in lookups:
                 self._looked.discard(req.request_id)
 
