@@ -318,8 +318,11 @@ class PoolConfig:
     #: Blocks of the pool's tier 1 in host memory (shm: a segment of its own; cuda:
     #: pinned memory); 0: no tier.
     tier_blocks: int = 0
-    #: Keep the pool's evicted blocks in the shared remote store (``[tiers.remote]``)
-    #: instead of a host tier; several nodes' pools of one layout share them.
+    #: Keep the pool's committed blocks in the shared remote store (``[tiers.remote]``);
+    #: several nodes' pools of one layout share them. With ``tier_blocks`` the
+    #: tiers chain: pool -> tier 1 (host) -> tier 2 (remote), every copy tier 1
+    #: records written through to the store, and an allocate promotes each block
+    #: from tier 1 where it is there, else from the store.
     remote_tier: bool = False
 
     def __post_init__(self) -> None:
@@ -346,12 +349,7 @@ class PoolConfig:
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.device >= 0, "device", "must be a GPU index >= 0")
         _require(self.tier_blocks >= 0, "tier_blocks", "must be >= 0")
-        # One tier per pool for now: a host tier in front of the remote one is next.
-        _require(
-            not (self.remote_tier and self.tier_blocks),
-            "remote_tier",
-            "a pool has either a host tier (tier_blocks) or the remote tier",
-        )
+        # A cuda pool's remote copies would need a device -> host staging path of their own.
         _require(
             not self.remote_tier or self.backend == "shm",
             "remote_tier",

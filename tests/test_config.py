@@ -142,7 +142,6 @@ def test_namespace_limits_from_file(tmp_path: Path) -> None:
         ('[tiers.remote]\nurl = "http://x"\n', "tiers.remote.url"),
         ("[tiers.remote]\ntimeout_s = 0\n", "tiers.remote.timeout_s"),
         ("[[pools]]\nremote_tier = true\n", "pools[0].remote_tier"),
-        ("[[pools]]\nremote_tier = true\ntier_blocks = 8\n", "pools[0].remote_tier"),
         ('[[pools]]\nremote_tier = true\nbackend = "cuda"\n', "pools[0].remote_tier"),
     ],
 )
@@ -153,6 +152,18 @@ def test_bad_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
         load_config(path, env={})
     assert info.value.key == key
     assert "\n" not in str(info.value)
+
+
+def test_a_host_tier_chains_onto_the_remote_one() -> None:
+    config = load_config(
+        env={},
+        overrides={
+            "pools.0.tier_blocks": "8",
+            "pools.0.remote_tier": "true",
+            "tiers.remote.url": "redis://127.0.0.1:6379/0",
+        },
+    )
+    assert (config.pools[0].tier_blocks, config.pools[0].remote_tier) == (8, True)
 
 
 _CURVE = {"server.curve_secret_key_file": "/k/server.key_secret", "server.curve_clients_dir": "/k"}

@@ -33,7 +33,8 @@ class EngineConfig:
     ``eviction`` picks which cached block goes when the pool is full (one
     of `EVICTION_POLICIES`). ``tier_blocks``: slots of the pool's tier
     (`kvd.engine.tier`; 0: no tier); ``tier_level``: 1 host memory, 2 a
-    remote store shared by several nodes.
+    remote store shared by several nodes. ``remote_blocks``: slots of a
+    remote tier below a host one (a chain, `kvd.engine.tier.chain`; 0: none).
     """
 
     num_blocks: int
@@ -44,6 +45,7 @@ class EngineConfig:
     eviction: str = "adaptive"
     tier_blocks: int = 0
     tier_level: int = 1
+    remote_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
@@ -62,6 +64,10 @@ class EngineConfig:
             raise InvalidError(f"tier_blocks must be an int >= 0, got {self.tier_blocks!r}")
         if self.tier_level not in (1, 2):
             raise InvalidError(f"tier_level must be 1 or 2, got {self.tier_level!r}")
+        if not _is_int(self.remote_blocks) or self.remote_blocks < 0:
+            raise InvalidError(f"remote_blocks must be an int >= 0, got {self.remote_blocks!r}")
+        if self.remote_blocks and not (self.tier_blocks and self.tier_level == 1):
+            raise InvalidError("remote_blocks needs a host tier above it (tier_blocks, level 1)")
         if self.eviction not in EVICTION_POLICIES:
             raise InvalidError(
                 f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}"

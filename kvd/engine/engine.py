@@ -33,7 +33,7 @@ from kvd.engine.results import (
 )
 from kvd.engine.sequence import SequenceState
 from kvd.engine.stats import EngineStats, NamespaceStats
-from kvd.engine.tier import Promotion, Tier
+from kvd.engine.tier import Promotion, chain
 
 __all__ = ["Engine"]
 
@@ -83,18 +83,15 @@ class Engine:
             config.block_size,
             self._queue_event if config.events else None,
         )
-        #: Tier 1's metadata (None: no tier); the server copies the bytes.
-        self.tier = (
-            Tier(
-                config.tier_blocks,
-                self._accounts,
-                self._holds,
-                config.block_size,
-                self._queue_event if config.events else None,
-                level=config.tier_level,
-            )
-            if config.tier_blocks
-            else None
+        #: The first tier's metadata (None: no tier; `Tier.below`: the next of a
+        #: chain); the server copies the bytes.
+        self.tier = chain(
+            [config.tier_blocks, config.remote_blocks],
+            self._accounts,
+            self._holds,
+            config.block_size,
+            self._queue_event if config.events else None,
+            level=config.tier_level,
         )
         if self.tier is not None:
             self._holds.on_evict = self.tier.void
@@ -653,25 +650,14 @@ class Engine:
             ns.index.clear()
             ns.epoch += 1
             self._accounts.forget_if_unused(ns)
-        tier_removed = self._flush_tier(namespace)
+        tier_removed = self.tier.flush_chain(namespace) if self.tier is not None else []
         if self._emit:
             if namespace is None:
                 self._events.append(AllBlocksCleared())
             elif removed:
                 self._events.append(BlockRemoved(removed))
-            if tier_removed and self.tier is not None:
-                self._events.append(BlockRemoved(tier_removed, tier=self.tier.level))
+            self._events += tier_removed
         return len(removed)
-
-    def _flush_tier(self, namespace: str | None) -> list[bytes]:
-        """Drop tier 1's copies of ``namespace`` (all when None); the keys dropped
-        (none for a flush of all: AllBlocksCleared says it for every tier)."""
-        tier = self.tier
-        if tier is None:
-            return []
-        keys = tier.removed_keys(namespace) if namespace is not None else []
-        tier.flush(namespace)
-        return keys
 
     # ------------------------------------------------------------------
     # Tier 1 (`kvd.engine.tier`)
@@ -768,6 +754,7 @@ class Engine:
             },
             session_usage={sid: s.usage for sid, s in self._sessions.items()},
             tier=self.tier.snapshot() if self.tier is not None else None,
+            tier_below=self.tier.below.snapshot() if self.tier and self.tier.below else None,
         )
 
     def check_invariants(self) -> None:

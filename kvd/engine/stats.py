@@ -54,8 +54,10 @@ class EngineStats:
     refusals: dict[str, int] = field(default_factory=dict)
     namespaces: dict[str, NamespaceStats] = field(default_factory=dict)
     session_usage: dict[int, int] = field(default_factory=dict)
-    #: Tier 1's counters (None: the pool has no tier).
+    #: The first tier's counters (None: the pool has no tier).
     tier: TierStats | None = None
+    #: The counters of the tier below it (a chain; None: none).
+    tier_below: TierStats | None = None
 
     @property
     def hit_ratio(self) -> float:

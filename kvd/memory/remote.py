@@ -131,10 +131,13 @@ class RedisTier:
         retry_after_s: float,
         ttl_s: int = 0,
         stream_max: int = 100_000,
+        source: tuple[PoolLayout, memoryview] | None = None,
     ) -> None:
         if not _HAVE_REDIS:
             raise RuntimeError("a remote tier needs redis-py (pip install redis==8.1.0)")
         self._pool = block_view(pool_layout, pool_buffer)
+        #: Where `store` reads: the pool, or (a chain) the host tier above (`HostTier.view`).
+        self._source = self._pool if source is None else block_view(*source)
         self.block_bytes = pool_layout.num_layers * pool_layout.page_bytes
         self.fingerprint = layout_fingerprint(pool_layout)
         self._prefix = f"kvd:{self.fingerprint.hex()}:"
@@ -172,13 +175,14 @@ class RedisTier:
             raise self._fail(REMOTE_UNAVAILABLE, "store failed lately; retrying later", trip=False)
 
     def store(self, blocks: Sequence[int], slots: Sequence[int], keys: Sequence[bytes]) -> int:
-        """Pool ``blocks`` -> the store under ``keys`` (`object_name`s), and their
-        names -> the discovery stream; the bytes moved."""
+        """Source ``blocks`` (pool blocks, or a chain's host-tier slots) -> the
+        store under ``keys`` (`object_name`s), and their names -> the discovery
+        stream; the bytes moved."""
         self._check_open()
         pipe = self._redis.pipeline(transaction=False)
         for block, name in zip(blocks, keys, strict=True):
             _, key = split_name(name)
-            payload = self._pool[..., block, :].tobytes()
+            payload = self._source[..., block, :].tobytes()
             pipe.set(self._name(name), encode_block(self.fingerprint, key, payload), ex=self._ttl)
         pipe.xadd(self._stream, {b"n": _join(keys)}, maxlen=self._stream_max, approximate=True)
         try:
@@ -237,8 +241,8 @@ class RedisTier:
         }
 
     def close(self) -> None:
-        """Drop the connections and the pool's view."""
-        self._pool = np.empty((0, 0), dtype=np.uint8)
+        """Drop the connections and the pool's (and source's) views."""
+        self._pool = self._source = np.empty((0, 0), dtype=np.uint8)
         self._redis.close()
 
 

@@ -170,6 +170,10 @@ class HostTier:
         _copy(self._tier, slots, self._pool, blocks)
         return len(blocks) * self.block_bytes
 
+    def view(self) -> tuple[PoolLayout, memoryview]:
+        """The tier's layout and bytes: where a tier fed from this one reads (a chain)."""
+        return self._segment.layout, self._segment.buffer()
+
     def info(self) -> dict[str, Any]:
         """The segment's facts (path, size, start-up timings) and the tier's kind."""
         return {"kind": "host", **self._segment.info()}

@@ -34,10 +34,12 @@ ignored; numbers are ints or floats)::
       "admission": {"refusals": {"<CODE>": n}},
       "clients": {"sessions": n},
       "events": {"batches": n, "events": n, "replays": n},   # optional: KVEventPublisher.stats()
-      "tiers": {"<pool>": {"tier": 1, "blocks": n, "capacity": n, "bytes": n, "hits": n,
-                           "promotions": n, "demotions": n, "lost": n, "evictions": n,
-                           "errors": n, "bytes_moved": n,     # optional: kvd.server.tiers
-                           "store_errors": {"<CODE>": n}}},   # tier 2 (remote) only
+      "tiers": {"<pool>": {"pool": "<pool>", "tier": 1, "blocks": n, "capacity": n,
+                           "bytes": n, "hits": n, "promotions": n, "demotions": n,
+                           "lost": n, "evictions": n, "errors": n,
+                           "bytes_moved": n,                  # optional: kvd.server.tiers
+                           "store_errors": {"<CODE>": n}},    # tier 2 (remote) only
+                "<pool>@tier2": {"pool": "<pool>", "tier": 2, ...}},  # a chain's tier 2
     }
 
 Prefix counters are per namespace from ``prefix.namespaces``; a pool without
@@ -368,10 +370,12 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
             (key, CounterMetricFamily(name, doc, labels=labels))
             for key, name, doc in _TIER_COUNTERS
         ]
+        # Keyed by pool, a chain's lower tier by "<pool>@tier<n>": the pool label is its "pool".
         for pool, stats in tiers.items():
             if isinstance(stats, Mapping):
+                where = [str(stats.get("pool", pool)), str(stats.get("tier", 1))]
                 for key, tier_family in families:
-                    _add(tier_family, [str(pool), str(stats.get("tier", 1))], stats.get(key))
+                    _add(tier_family, where, stats.get(key))
         yield from (tier_family for _, tier_family in families)
         # A remote store's failed calls by code (kvd.memory.remote): why its copies failed.
         store_errors = CounterMetricFamily(
@@ -382,7 +386,8 @@ def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
         for pool, stats in tiers.items():
             codes = stats.get("store_errors") if isinstance(stats, Mapping) else None
             for code, count in (codes or {}).items():
-                _add(store_errors, [str(pool), str(stats.get("tier", 1)), str(code)], count)
+                where = [str(stats.get("pool", pool)), str(stats.get("tier", 1))]
+                _add(store_errors, [*where, str(code)], count)
         yield store_errors
 
 

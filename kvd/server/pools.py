@@ -49,8 +49,11 @@ class ServedPool:
     memory: PoolMemory
     #: Created by a client's hello (not in the config file).
     runtime: bool = False
-    #: Where tier 1's copies live (None: no tier; `kvd.server.tiers` moves them).
+    #: Where the first tier's copies live (None: no tier; `kvd.server.tiers` moves them).
     tier: TierStore | None = None
+    #: Where the copies of the tier below it live (a chain: the remote store under
+    #: the host tier; None: none).
+    below: TierStore | None = None
 
     @property
     def name(self) -> str:
@@ -152,6 +155,7 @@ class Pools:
             headroom_bytes=mem.headroom_bytes,
         )
         tier: TierStore | None = None
+        remote: RedisTier | None = None
         try:
             if pool.tier_blocks and isinstance(memory, CudaAllocation):
                 tier = PinnedHostTier.create(memory, pool.tier_blocks)
@@ -160,24 +164,33 @@ class Pools:
                 tier = HostTier.create(
                     pool.name, pool.layout, memory.buffer(), pool.tier_blocks, **opts
                 )
-            elif pool.remote_tier:
+            if pool.remote_tier:
                 assert isinstance(memory, ShmSegment)  # PoolConfig refuses a cuda one
-                remote = self.config.tiers.remote
-                tier = RedisTier(
+                cfg = self.config.tiers.remote
+                # Under a host tier it writes through from that tier's copies.
+                remote = RedisTier(
                     pool.layout,
                     memory.buffer(),
-                    remote.url,
-                    timeout_s=remote.timeout_s,
-                    retry_after_s=remote.retry_after_s,
-                    ttl_s=remote.ttl_s,
+                    cfg.url,
+                    timeout_s=cfg.timeout_s,
+                    retry_after_s=cfg.retry_after_s,
+                    ttl_s=cfg.ttl_s,
+                    source=tier.view() if isinstance(tier, HostTier) else None,
                 )
         except BaseException:
+            if tier is not None:
+                tier.close()
             memory.close()
             raise
-        return ServedPool(pool, self._engine(pool), memory, runtime=runtime, tier=tier)
+        if tier is None:
+            return ServedPool(pool, self._engine(pool), memory, runtime=runtime, tier=remote)
+        return ServedPool(
+            pool, self._engine(pool), memory, runtime=runtime, tier=tier, below=remote
+        )
 
     def _engine(self, pool: PoolConfig) -> Engine:
         adm = self.config.admission
+        remote = self._remote_blocks(pool) if pool.remote_tier else 0
         engine = Engine(
             EngineConfig(
                 num_blocks=pool.num_blocks,
@@ -186,8 +199,10 @@ class Pools:
                 watermark_blocks=min(adm.watermark_blocks, pool.num_blocks),
                 events=self.config.events.enabled,
                 eviction=self.config.cache.eviction,
-                tier_blocks=self._remote_blocks(pool) if pool.remote_tier else pool.tier_blocks,
-                tier_level=2 if pool.remote_tier else 1,
+                # A host tier comes first; the remote one is first only without it.
+                tier_blocks=pool.tier_blocks or remote,
+                tier_level=1 if pool.tier_blocks else 2,
+                remote_blocks=remote if pool.tier_blocks else 0,
             )
         )
         for ns, limits in adm.namespaces.items():
@@ -210,8 +225,10 @@ class Pools:
         """Release every pool's memory (at exit; idempotent)."""
         while self._pools:
             _, pool = self._pools.popitem()
-            if pool.tier is not None:  # first: its views keep the pool's mapping
-                pool.tier.close()
+            # Below first, then the first tier: their views keep the mappings above them.
+            for store in (pool.below, pool.tier):
+                if store is not None:
+                    store.close()
             pool.memory.close()
 
     # ------------------------------------------------------------------

@@ -29,6 +29,13 @@ demotion leaves the block uncopied, a failed promotion publishes nothing
   (`RedisTier.poll`, a worker thread) and indexes them (`Tier.learn`), so
   an allocate finds another node's blocks without a network call on the
   request path; a name stored since the last read is a miss until the next.
+
+- *Chain* (a host tier with the remote one below it): each level has its
+  own demotion task, so a slow store never delays tier 1's copies; tier 2's
+  are fed by what tier 1 recorded and read tier 1's slots. A promotion
+  copies its tier-1 part from host memory, then its tier-2 part from the
+  store; when the store fails, the tier-1 part before the first remote
+  block is still published (`Tier.promoted` with the failed levels).
 """
 
 from __future__ import annotations
@@ -45,13 +52,13 @@ import anyio
 import structlog
 from kvd_client import wire
 
-from kvd.engine.tier import Demotion, Promotion
+from kvd.engine.tier import Demotion, Promotion, Tier
 from kvd.memory.remote import RedisTier, RemoteError
-from kvd.memory.tier import object_name, split_name
+from kvd.memory.tier import TierStore, object_name, split_name
 from kvd.server.context import Outcome, ServerState, SessionCall
 from kvd.server.pools import ServedPool
 
-__all__ = ["PendingPromotion", "Tiers"]
+__all__ = ["PendingPromotion", "Tiers", "chain"]
 
 log = structlog.get_logger("kvd.server")
 
@@ -63,6 +70,19 @@ _DEMOTE_BATCH: Final = 256
 
 #: The handler that answers a request once its promotion is done.
 _Run = Callable[[Any, SessionCall], Outcome]
+#: Counters are kept by (pool, tier level).
+_Where = tuple[str, int]
+
+
+def chain(pool: ServedPool) -> list[tuple[Tier, TierStore]]:
+    """``pool``'s tiers from the first down, each with its store."""
+    tier, out = pool.engine.tier, []
+    for store in (pool.tier, pool.below):
+        if tier is None or store is None:
+            break
+        out.append((tier, store))
+        tier = tier.below
+    return out
 
 
 class PendingPromotion:
@@ -136,16 +156,17 @@ class Tiers:
         self._finish = finish
         #: Promotions queued by the request thread, taken by the loop (deque: thread-safe ends).
         self.jobs: collections.deque[PendingPromotion] = collections.deque()
-        #: Bytes moved and copies failed, by pool.
-        self._moved: collections.Counter[str] = collections.Counter()
-        self._failed: collections.Counter[str] = collections.Counter()
-        #: Seconds of the last promotions' copies by pool (for the stats' median).
-        self._promote_s: collections.defaultdict[str, collections.deque[float]] = (
+        #: Bytes moved and copies failed, by pool and tier.
+        self._moved: collections.Counter[_Where] = collections.Counter()
+        self._failed: collections.Counter[_Where] = collections.Counter()
+        #: Seconds of each tier's part of the last promotions (for the stats' median).
+        self._promote_s: collections.defaultdict[_Where, collections.deque[float]] = (
             collections.defaultdict(lambda: collections.deque(maxlen=256))
         )
         self._counts_lock = threading.Lock()
         self._promote_wake = _Wake()
-        self._demote_wake = _Wake()
+        #: Wake-ups of the demotion tasks, by depth in the chain (first tier, below it).
+        self._demote_wakes = (_Wake(), _Wake())
 
     # ------------------------------------------------------------------
     # Request thread (under the request lock)
@@ -175,7 +196,7 @@ class Tiers:
         """A commit or publish of ``call`` may have cached blocks: copy them soon."""
         tier = call.engine.tier
         if tier is not None and tier.fresh:
-            self._demote_wake.set()
+            self._demote_wakes[0].set()
 
     # ------------------------------------------------------------------
     # Event loop
@@ -187,10 +208,12 @@ class Tiers:
         if not any(pool.tier is not None for pool in self._state.pools):
             return
         self._promote_wake.bind()
-        self._demote_wake.bind()
+        for wake in self._demote_wakes:
+            wake.bind()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._demote_all, lock)
-            if any(isinstance(pool.tier, RedisTier) for pool in self._state.pools):
+            for depth in range(max(len(chain(pool)) for pool in self._state.pools)):
+                tg.start_soon(self._demote_all, lock, depth)
+            if any(self._remote(pool) for pool in self._state.pools):
                 tg.start_soon(self._learn_all, lock)
             jobs = self.jobs
             while True:
@@ -198,39 +221,58 @@ class Tiers:
                     tg.start_soon(self._promote, jobs.popleft(), lock, send)
                 await self._promote_wake.wait()
 
-    async def _demote_all(self, lock: threading.Lock) -> None:
+    async def _demote_all(self, lock: threading.Lock, depth: int) -> None:
+        """Run the demotions of every pool's tier at ``depth`` of its chain."""
+        wake = self._demote_wakes[depth]
         while True:
             busy = False
             for pool in list(self._state.pools):
-                if pool.tier is not None:
-                    busy |= await self._demote(pool, lock)
+                links = chain(pool)
+                if len(links) > depth:
+                    busy |= await self._demote(pool, *links[depth], lock)
             if not busy:
-                await self._demote_wake.wait()
+                await wake.wait()
 
-    async def _demote(self, pool: ServedPool, lock: threading.Lock) -> bool:
-        """Copy one batch of ``pool``'s demotions; whether there was any."""
-        tier, store = pool.engine.tier, pool.tier
-        assert tier is not None and store is not None
+    async def _demote(
+        self, pool: ServedPool, tier: Tier, store: TierStore, lock: threading.Lock
+    ) -> bool:
+        """Copy one batch of the demotions of ``pool``'s ``tier``; whether there was any."""
         with lock:
             batch = tier.demotions(_DEMOTE_BATCH)
         if not batch:
             return False
-        ok = await anyio.to_thread.run_sync(self._copy_out, pool, batch)
+        ok = await anyio.to_thread.run_sync(self._copy_out, pool, store, batch)
         with lock:
             tier.demoted(batch, ok)
             self._publish(pool)
+            fed, waiting = tier.below is not None and tier.below.fed, tier.above is not None
+        if fed:  # what tier 1 recorded goes down the chain
+            self._demote_wakes[1].set()
+        if waiting:  # the copies read tier 1's slots: room there again
+            self._demote_wakes[0].set()
         return True
+
+    @staticmethod
+    def _remote(pool: ServedPool) -> tuple[Tier, RedisTier] | None:
+        """``pool``'s remote tier and store, if it has one."""
+        for tier, store in chain(pool):
+            if isinstance(store, RedisTier):
+                return tier, store
+        return None
 
     async def _learn_all(self, lock: threading.Lock) -> None:
         """Index what the nodes sharing each remote store stored, every ``poll_s``."""
         pause = self._state.config.tiers.remote.poll_s
         while True:
             for pool in list(self._state.pools):
-                if isinstance(pool.tier, RedisTier):
-                    await self._learn(pool, pool.tier, lock)
+                remote = self._remote(pool)
+                if remote is not None:
+                    await self._learn(pool, *remote, lock)
             await anyio.sleep(pause)
 
-    async def _learn(self, pool: ServedPool, store: RedisTier, lock: threading.Lock) -> None:
+    async def _learn(
+        self, pool: ServedPool, tier: Tier, store: RedisTier, lock: threading.Lock
+    ) -> None:
         try:
             names = await anyio.to_thread.run_sync(store.poll)
         except Exception as exc:  # counted by the store; the next poll retries
@@ -240,51 +282,61 @@ class Tiers:
         for name in names:
             namespace, key = split_name(name)
             by_namespace.setdefault(namespace, []).append(key)
-        tier = pool.engine.tier
-        assert tier is not None
         with lock:
             for namespace, keys in by_namespace.items():
                 tier.learn(namespace, keys)
             self._publish(pool)
 
-    def _copy_out(self, pool: ServedPool, batch: list[Demotion]) -> bool:
-        assert pool.tier is not None
-        blocks = [d.block_id for d in batch]
-        return self._copy(pool, pool.tier.store, blocks, [d.slot for d in batch], batch)
+    def _copy_out(self, pool: ServedPool, store: TierStore, batch: list[Demotion]) -> bool:
+        names = [object_name(d.namespace, d.key) for d in batch]
+        src, dst = [d.src for d in batch], [d.slot for d in batch]
+        return self._copy((pool.name, store.level), store.store, src, dst, names)
 
-    def _copy_in(self, pool: ServedPool, promo: Promotion) -> bool:
-        assert pool.tier is not None
-        slots = [s for s, _ in promo.pairs]
-        return self._copy(pool, pool.tier.load, slots, [b for _, b in promo.pairs], promo)
+    def _copy_in(self, pool: ServedPool, promo: Promotion) -> set[int]:
+        """Copy ``promo``'s blocks in, tier 1's part first (worker thread); the
+        levels whose copies failed."""
+        stores = {store.level: store for _, store in chain(pool)}
+        namespace = promo.session.namespace.name
+        failed: set[int] = set()
+        for level, at in sorted(promo.by_level().items()):
+            store = stores[level]
+            t0 = time.perf_counter()
+            ok = self._copy(
+                (pool.name, level),
+                store.load,
+                [promo.pairs[i][0] for i in at],
+                [promo.pairs[i][1] for i in at],
+                [object_name(namespace, promo.keys[i]) for i in at],
+            )
+            self._promote_s[pool.name, level].append(time.perf_counter() - t0)
+            if not ok:
+                failed.add(level)
+        return failed
 
     def _copy(
         self,
-        pool: ServedPool,
+        where: _Where,
         move: Callable[[list[int], list[int], list[bytes]], int],
         src: list[int],
         dst: list[int],
-        what: list[Demotion] | Promotion,
+        names: list[bytes],
     ) -> bool:
         """One copy (worker thread): True when every byte moved."""
-        if isinstance(what, Promotion):
-            namespace = what.session.namespace.name
-            names = [object_name(namespace, key) for key in what.keys]
-        else:
-            names = [object_name(d.namespace, d.key) for d in what]
+        pool, level = where
         try:
             moved = move(src, dst, names)
         except RemoteError as exc:  # expected when a store fails: no traceback, its code
-            log.warning("tier_copy_failed", pool=pool.name, blocks=len(src), error=str(exc))
+            log.warning("tier_copy_failed", pool=pool, tier=level, blocks=len(src), error=str(exc))
             with self._counts_lock:
-                self._failed[pool.name] += 1
+                self._failed[where] += 1
             return False
         except Exception:
-            log.exception("tier_copy_failed", pool=pool.name, blocks=len(src))
+            log.exception("tier_copy_failed", pool=pool, tier=level, blocks=len(src))
             with self._counts_lock:
-                self._failed[pool.name] += 1
+                self._failed[where] += 1
             return False
         with self._counts_lock:
-            self._moved[pool.name] += moved
+            self._moved[where] += moved
         return True
 
     async def _promote(
@@ -293,13 +345,11 @@ class Tiers:
         lock: threading.Lock,
         send: Callable[[bytes, list[bytes]], None],
     ) -> None:
-        t0 = time.perf_counter()
-        ok = await anyio.to_thread.run_sync(self._copy_in, job.pool, job.promotion)
-        self._promote_s[job.pool.name].append(time.perf_counter() - t0)
+        failed = await anyio.to_thread.run_sync(self._copy_in, job.pool, job.promotion)
         with lock:
             tier = job.pool.engine.tier
             assert tier is not None
-            tier.promoted(job.promotion, ok)
+            tier.promoted(job.promotion, True, failed)
             frames = self._finish(job)
         send(job.call.identity, frames)
 
@@ -314,25 +364,28 @@ class Tiers:
     # Stats (under the request lock)
 
     def stats(self) -> dict[str, Any]:
-        """The ``tiers`` stats section: per pool with a tier, its counters in
-        blocks and bytes (``bytes_moved``: both directions)."""
+        """The ``tiers`` stats section: per pool with a tier, its first tier's
+        counters in blocks and bytes (``bytes_moved``: both directions) under
+        the pool's name, the tier below it (a chain) under ``<pool>@tier<level>``
+        (``@`` is not allowed in pool names), each naming its ``pool``."""
         out: dict[str, Any] = {}
         for pool in self._state.pools:
-            if pool.tier is None or pool.engine.tier is None:
-                continue
-            timings = sorted(self._promote_s[pool.name])
-            counts = pool.engine.tier.snapshot()
-            per_block = pool.tier.block_bytes
-            out[pool.name] = {
-                "tier": pool.tier.level,
-                **pool.tier.info(),
-                **counts.to_dict(),
-                "bytes": counts.blocks * per_block,
-                "capacity_bytes": counts.capacity * per_block,
-                "bytes_moved": self._moved[pool.name],
-                "copy_failures": self._failed[pool.name],
-                "promotion_ms_p50": (
-                    round(timings[len(timings) // 2] * 1e3, 3) if timings else 0.0
-                ),
-            }
+            for depth, (tier, store) in enumerate(chain(pool)):
+                where = (pool.name, store.level)
+                timings = sorted(self._promote_s[where])
+                counts = tier.snapshot()
+                per_block = store.block_bytes
+                out[pool.name if not depth else f"{pool.name}@tier{store.level}"] = {
+                    "pool": pool.name,
+                    "tier": store.level,
+                    **store.info(),
+                    **counts.to_dict(),
+                    "bytes": counts.blocks * per_block,
+                    "capacity_bytes": counts.capacity * per_block,
+                    "bytes_moved": self._moved[where],
+                    "copy_failures": self._failed[where],
+                    "promotion_ms_p50": (
+                        round(timings[len(timings) // 2] * 1e3, 3) if timings else 0.0
+                    ),
+                }
         return out

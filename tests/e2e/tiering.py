@@ -23,11 +23,15 @@ KvdProcess = AgentProcess = Any
 SETTLE_S = 30.0
 
 
-def wait_for(daemon: KvdProcess, what: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The pool's ``tiers`` stats once ``what`` holds for them (copies run in the background)."""
+def wait_for(
+    daemon: KvdProcess, what: Callable[[dict[str, Any]], bool], tier_key: str = "default"
+) -> dict[str, Any]:
+    """The ``tiers`` stats of ``tier_key`` (the pool's first tier; a chain's
+    tier 2: ``default@tier2``) once ``what`` holds for them (copies run in
+    the background)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        tier: dict[str, Any] = daemon.stats()["tiers"]["default"]
+        tier: dict[str, Any] = daemon.stats()["tiers"][tier_key]
         if what(tier) or time.monotonic() > deadline:
             return tier
         time.sleep(0.01)

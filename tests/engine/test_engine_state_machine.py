@@ -53,8 +53,9 @@ prompts = st.tuples(
 class EngineMachine(RuleBasedStateMachine):
     #: The engine's eviction policy (the default; the subclasses run the others).
     eviction = "adaptive"
-    #: Tier 1's slots (`TierEngineMachine` has some).
+    #: Tier 1's slots (`TierEngineMachine` has some), and a tier 2's below it.
     tier_blocks = 0
+    remote_blocks = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,6 +66,7 @@ class EngineMachine(RuleBasedStateMachine):
                 watermark_blocks=1,
                 eviction=self.eviction,
                 tier_blocks=self.tier_blocks,
+                remote_blocks=self.remote_blocks,
             )
         )
         self.eng.set_namespace_limits("t", quota=10, minimum=2)
