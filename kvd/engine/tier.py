@@ -33,9 +33,11 @@ store lost or spoiled them; asking again would fail again).
 
 A chain (`chain`: tier 1 with tier 2 ``below`` it) writes through: every
 copy tier 1 records is fed to tier 2 (`Tier.fed`), whose demotion reads
-tier 1's slot (the entry pinned meanwhile, so its slot is not reused) and
-never the pool, so a pool eviction cannot void it and a slow store never
-holds a pool block. A promotion takes each block of the continuation from
+tier 1's slot and never the pool, so a pool eviction cannot void it and a
+slow store never holds a pool block. The entry is pinned from the moment it
+is fed until tier 2 has copied it (or skipped it, or failed): tier 1 never
+drops a copy before it went down, so a store slower than the commits slows
+tier 1's demotions instead of losing blocks. A promotion takes each block of the continuation from
 tier 1 where it is there, else from tier 2, in one hold; when the copies
 of one level fail, the blocks before the first failed one are still
 published (the tier-1 part of a prefix survives a dead store).
@@ -281,22 +283,22 @@ class Tier:
         return out
 
     def _fed_demotions(self, above: Tier, limit: int, out: list[Demotion]) -> None:
-        """Copies of the entries the tier ``above`` fed, appended to ``out``."""
+        """Copies of the entries the tier ``above`` fed (each pinned there since,
+        the pin going to its copy), appended to ``out``."""
         fed, entries, pending = self.fed, self.entries, self.pending
         while fed and len(out) < limit:
             entry = fed[0]
             name = (entry.namespace, entry.key)
-            if above.entries.get(name) is not entry or entry in pending:
-                fed.popleft()
+            if above.entries.get(name) is not entry:  # flushed since
+                above._unpin(fed.popleft())
                 continue
             if name in entries:
-                fed.popleft()
                 entries.move_to_end(name)
+                above._unpin(fed.popleft())
                 continue
             if not self.free and not self._evict_one():
                 break
             fed.popleft()
-            entry.ref += 1  # the tier above keeps its slot while the copy reads it
             d = Demotion(None, self.free.pop(), entry.namespace, -1, entry=entry)
             pending[entry] = d
             out.append(d)
@@ -338,7 +340,8 @@ class Tier:
 
     def demoted(self, done: Sequence[Demotion], ok: bool) -> int:
         """The copies ``done`` finished (``ok``) or failed; how many now count
-        (each recorded one is fed to the tier below, if any)."""
+        (each recorded one is fed to the tier below, if any, and pinned until
+        it was copied there)."""
         stats, pending, entries = self.stats, self.pending, self.entries
         stored: dict[str, list[bytes]] = {}
         recorded: list[TierEntry] = []
@@ -373,6 +376,8 @@ class Tier:
                     )
                 )
         if self.below is not None:
+            for entry in recorded:  # kept until the tier below has copied it
+                entry.ref += 1
             self.below.fed.extend(recorded)
         stats.demotions += len(recorded)
         stats.blocks = len(entries)

@@ -88,6 +88,22 @@ def test_a_prefix_that_left_tier_1_is_a_hit_on_both_nodes_through_the_store(
     assert a.check()["ok"] is True and b.check()["ok"] is True
 
 
+def test_a_prompt_larger_than_tier_1_reaches_the_store_whole(
+    nodes: Nodes, spawn_agent: Callable[[], AgentProcess]
+) -> None:
+    a, b, _ = nodes
+    (writer,) = agents(spawn_agent, a, 1)
+    (reader,) = agents(spawn_agent, b, 1)
+    prompt = list(range(200, 200 + 6 * BS + 1))
+    values = compute(writer, "req-a", prompt)
+    # Tier 1 (4 slots) drops a block only once it went down to the store.
+    settled(a, 6)
+    assert wait_for(a, lambda t: t["evictions"] >= 2)["evictions"] == 2
+    assert wait_for(b, lambda t: t["blocks"] >= 6, REMOTE)["blocks"] == 6
+    assert reader.ok("allocate", seq="req-b", tokens=prompt)["cached"] == 6 * BS
+    assert reader.ok("read", seq="req-b", start=0, stop=6 * BS)["values"] == values[: 6 * BS]
+
+
 def head_in_tier_1_tail_in_the_store(
     a: KvdProcess, spawn_agent: Callable[[], AgentProcess]
 ) -> tuple[AgentProcess, list[int], list[float]]:

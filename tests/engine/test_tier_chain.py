@@ -50,11 +50,12 @@ def test_what_tier_1_records_is_copied_to_tier_2_from_tier_1s_slots(chained: Che
     cached(chained, "a", 2)
     chained.drain_events()
     first = down(chained, chained.tier)
-    copies = below(chained).demotions(100)
     entries = list(chained.tier.entries.values())
+    assert [e.ref for e in entries] == [1, 1]  # tier 1 keeps them until they went down
+    copies = below(chained).demotions(100)
     assert [d.entry for d in copies] == entries
     assert [d.src for d in copies] == [e.slot for e in entries] == [d.slot for d in first]
-    assert [e.ref for e in entries] == [1, 1]  # tier 1 keeps the slots while they are read
+    assert [e.ref for e in entries] == [1, 1]
     assert below(chained).demoted(copies, True) == 2
     assert [e.ref for e in entries] == [0, 0]
     stored = [(e.tier, len(e.keys)) for e in chained.drain_events() if isinstance(e, BlockStored)]
@@ -62,12 +63,13 @@ def test_what_tier_1_records_is_copied_to_tier_2_from_tier_1s_slots(chained: Che
     chained.check_invariants()
 
 
-def test_a_tier_1_entry_being_copied_down_is_not_dropped_for_room(chained: Checked) -> None:
+def test_a_tier_1_entry_not_yet_copied_down_is_not_dropped_for_room(chained: Checked) -> None:
     cached(chained, "a", 2)
     down(chained, chained.tier)
-    copies = below(chained).demotions(100)
     cached(chained, "b", 2, start=500)
-    assert chained.tier.demotions(100) == []  # both slots are read: the new blocks wait
+    assert chained.tier.demotions(100) == []  # not copied down yet: the new blocks wait
+    copies = below(chained).demotions(100)
+    assert chained.tier.demotions(100) == []  # being copied down: still waiting
     below(chained).demoted(copies, True)
     assert len(down(chained, chained.tier)) == 2  # room again: the oldest went
     assert chained.stats().tier.evictions == 2
@@ -82,6 +84,16 @@ def test_a_flush_while_copying_down_loses_the_copy_and_frees_the_slot(chained: C
     assert len(chained.tier.free) == 0  # still read
     assert below(chained).demoted(copies, True) == 0
     assert chained.stats().tier_below.lost == 2
+    assert len(chained.tier.free) == 2
+    chained.check_invariants()
+
+
+def test_a_flush_before_the_copy_down_gives_tier_1_its_slots_back(chained: Checked) -> None:
+    cached(chained, "a", 2)
+    down(chained, chained.tier)
+    chained.flush(NS)
+    assert len(chained.tier.free) == 0  # still fed
+    assert below(chained).demotions(100) == []
     assert len(chained.tier.free) == 2
     chained.check_invariants()
 
