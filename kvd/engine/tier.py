@@ -574,6 +574,10 @@ class Tier:
             held = len(owner.holds)
             if held != inflight or self._accounts.sessions.get(owner.sid) is not owner:
                 problems.append(f"tier session {owner.sid}: {held} holds, {inflight} promotions")
+        # Every entry of the tier above waiting for (or in) a copy down is pinned there.
+        reading = [d.entry for d in self.pending.values() if d.entry is not None]
+        if any(entry.ref < 1 for entry in [*self.fed, *reading]):
+            problems.append("a tier entry fed to the tier below is not pinned")
         if self.below is not None:
             self.below.check(problems)
 

@@ -7,8 +7,12 @@ this one, still find it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -16,6 +20,8 @@ import pytest
 import zmq
 from tiering import BS, SETTLE_S, AgentProcess, KvdProcess, compute, evict_everything, wait_for
 
+ROOT = Path(__file__).resolve().parents[2]
+_CTL = "import sys; from kvd_client.ctl import main; sys.exit(main())"
 StartKvd = Callable[..., Any]
 #: A redis-server fixture (tests/conftest.RedisServer).
 Server = Any
@@ -139,6 +145,16 @@ def test_a_prefix_in_tier_1_then_only_in_the_store_is_promoted_whole(
     per_block = tier2["capacity_bytes"] // tier2["capacity"]
     assert tier2["bytes_moved"] == 8 * per_block  # 6 blocks written through, 2 read
     assert a.check()["ok"] is True
+    out = subprocess.run(
+        [sys.executable, "-c", _CTL, "--address", a.address, "stats", "tiers"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
+        timeout=60,
+    ).stdout
+    assert "default.promotions:4" in out and "default@tier2.promotions:2" in out
 
 
 def test_a_killed_store_still_promotes_the_tier_1_part(

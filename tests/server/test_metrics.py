@@ -249,3 +249,17 @@ def test_a_remote_stores_failures_by_code(serve: Any) -> None:
     samples = _scrape(serve(with_remote))
     labels = (("code", "REMOTE_UNAVAILABLE"), ("pool", "llama"), ("tier", "2"))
     assert samples[("kvd_tier_store_errors_total", labels)] == 4
+
+
+def test_a_chains_tier_2_is_labelled_with_its_pool(serve: Any) -> None:
+    def with_chain() -> dict[str, Any]:
+        host = {"pool": "llama", "tier": 1, "blocks": 4, "hits": 2}
+        remote = {"pool": "llama", "tier": 2, "blocks": 9, "hits": 7, "store_errors": {"X": 1}}
+        return {"tiers": {"llama": host, "llama@tier2": remote}}
+
+    samples = _scrape(serve(with_chain))
+    assert samples[("kvd_tier_hits_total", (("pool", "llama"), ("tier", "1")))] == 2
+    assert samples[("kvd_tier_hits_total", (("pool", "llama"), ("tier", "2")))] == 7
+    errors = (("code", "X"), ("pool", "llama"), ("tier", "2"))
+    assert samples[("kvd_tier_store_errors_total", errors)] == 1
+    assert not [key for key in samples if ("pool", "llama@tier2") in key[1]]
