@@ -322,7 +322,8 @@ class PoolConfig:
     #: several nodes' pools of one layout share them. With ``tier_blocks`` the
     #: tiers chain: pool -> tier 1 (host) -> tier 2 (remote), every copy tier 1
     #: records written through to the store, and an allocate promotes each block
-    #: from tier 1 where it is there, else from the store.
+    #: from tier 1 where it is there, else from the store. Off by default (no
+    #: tier at all: tier_blocks 0, remote_tier false).
     remote_tier: bool = False
 
     def __post_init__(self) -> None:

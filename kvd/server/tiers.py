@@ -238,17 +238,22 @@ class Tiers:
     ) -> bool:
         """Copy one batch of the demotions of ``pool``'s ``tier``; whether there was any."""
         with lock:
+            waiting = len(tier.fed)
             batch = tier.demotions(_DEMOTE_BATCH)
+            # Fed entries skipped (the store has them already) were unpinned in tier 1.
+            skipped = not batch and len(tier.fed) < waiting
+        if skipped:
+            self._demote_wakes[0].set()
         if not batch:
             return False
         ok = await anyio.to_thread.run_sync(self._copy_out, pool, store, batch)
         with lock:
             tier.demoted(batch, ok)
             self._publish(pool)
-            fed, waiting = tier.below is not None and tier.below.fed, tier.above is not None
+            fed = tier.below is not None and bool(tier.below.fed)
         if fed:  # what tier 1 recorded goes down the chain
             self._demote_wakes[1].set()
-        if waiting:  # the copies read tier 1's slots: room there again
+        if tier.above is not None:  # the copies read tier 1's slots: room there again
             self._demote_wakes[0].set()
         return True
 
