@@ -162,7 +162,12 @@ def test_a_killed_store_still_promotes_the_tier_1_part(
 ) -> None:
     a, b, server = nodes
     client, prompt, values = head_in_tier_1_tail_in_the_store(a, spawn_agent)
+    assert wait_for(b, lambda t: t["blocks"] >= 6, REMOTE)["blocks"] == 6
     server.kill()
+    # Node B has none of it in tier 1: a miss, counted.
+    (reader,) = agents(spawn_agent, b, 1)
+    assert reader.ok("allocate", seq="req-b", tokens=prompt)["cached"] == 0
+    assert (b.stats()["tiers"][REMOTE]["errors"], b.stats()["tiers"]["default"]["hits"]) == (4, 0)
     r = client.ok("allocate", seq="all", tokens=prompt)
     assert r["cached"] == 2 * BS
     assert client.ok("read", seq="all", start=0, stop=2 * BS)["values"] == values[: 2 * BS]
