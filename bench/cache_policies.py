@@ -437,7 +437,8 @@ class EngineFrequency(Policy):
 
 class EngineAdaptive(EngineFrequency):
     """kvd's ``eviction = "adaptive"`` (`kvd.engine.adaptive.AdaptivePool`): the
-    same queues, in LRU's order or by uses² as the engine's own `Shadows` decide."""
+    same queues, in LRU's order or by uses² as the engine's own `Shadows` decide,
+    fed each request's sampled keys as they are released (tail first)."""
 
     def __init__(self, capacity: int, digests: dict[int, bytes]) -> None:
         super().__init__(capacity, digests)
@@ -454,12 +455,8 @@ class EngineAdaptive(EngineFrequency):
         lru, weighted = shadows.hits
         self.weight = WEIGHT if weighted > lru else _FLAT
 
-    def match(self, keys: Sequence[int]) -> None:
-        super().match(keys)
-        self._refer(keys)
-
-    def publish(self, keys: Sequence[int]) -> None:
-        super().publish(keys)
+    def release(self, keys: Sequence[int]) -> None:
+        super().release(keys)
         self._refer(keys)
 
 

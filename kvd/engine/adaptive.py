@@ -12,22 +12,35 @@ with every weight equal the heads compare by release stamp, the lowest class
 on a tie, which is LRU's order. Which one is decided by a duel of two small
 caches (`Shadows`) fed the same sample of the keys' uses: one LRU, one
 evicting by age / uses², each as large as the pool scaled by the sample
-(SHARDS-style spatial sampling, about `SHADOW_KEYS` keys whatever the pool's
-size). The pool follows the shadow that hit more lately.
+(SHARDS-style spatial sampling: 1 key in `SAMPLE`, between `MIN_KEYS` and
+`MAX_KEYS` keys). The pool follows the shadow that hit more lately.
+
+The shadows see a use when the pool queues it: each keyed block as its holder
+releases it, in the pool's release order (a chain's tail first), so that the
+LRU shadow's order is the pool's LRU order. Fed at match time in chain order
+they evicted a chain head first, which the pool never does: the LRU shadow
+lost hits the pool's LRU keeps, and the duel favoured counts where they lose.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvd.engine.block import Block
 from kvd.engine.frequency import CLASSES, WEIGHT, FrequencyPool
 
-__all__ = ["DECAY", "SHADOW_KEYS", "AdaptivePool", "Shadows"]
+__all__ = ["DECAY", "MAX_KEYS", "MIN_KEYS", "SAMPLE", "AdaptivePool", "Shadows"]
 
-#: Keys per shadow: the sample is 1 key in ``num_blocks // SHADOW_KEYS``.
-SHADOW_KEYS = 512
+#: Keys per shadow: ``num_blocks // SAMPLE`` within [MIN_KEYS, MAX_KEYS] (the
+#: whole pool below MIN_KEYS blocks). More keys see more of the reuses that
+#: tell the orders apart; the bounds keep a small pool's shadows meaningful
+#: and a large one's under 1 MB (about 200 KB at MIN_KEYS, 780 KB at
+#: MAX_KEYS), and at most 1 key in SAMPLE sampled from MIN_KEYS * SAMPLE
+#: blocks up keeps the shadows' cost per block.
+SAMPLE = 16
+MIN_KEYS = 512
+MAX_KEYS = 2048
 #: Both shadows' hit counts halve every DECAY sampled uses (a window of recent
 #: behaviour; long, so that a burst does not flip the order back and forth).
 DECAY = 65536
@@ -38,8 +51,8 @@ _FLAT = [0] + [1] * CLASSES
 class Shadows:
     """An LRU cache and a uses²-weighted cache of ``size`` sampled keys each.
 
-    `refer` records one use of a sampled key (a prefix hit or a publication)
-    with its use count in the pool: a hit in a shadow counts for it in
+    `refer` records one use of a sampled key (a holder's release of it) with
+    its use count in the pool: a hit in a shadow counts for it in
     ``hits`` (``[lru, weighted]``). The weighted shadow keeps one queue per
     use count and evicts like `FrequencyPool` (the head oldest in units of
     uses², the lowest class on a tie), stamped with the pool's clock.
@@ -49,7 +62,8 @@ class Shadows:
     __slots__ = ("classes", "every", "hits", "lru", "refs", "size", "where")
 
     def __init__(self, num_blocks: int) -> None:
-        self.every = max(1, num_blocks // SHADOW_KEYS)
+        keys = min(MAX_KEYS, max(MIN_KEYS, num_blocks // SAMPLE))
+        self.every = max(1, num_blocks // keys)
         self.size = max(1, num_blocks // self.every)
         self.lru: OrderedDict[bytes, None] = OrderedDict()
         #: classes[c]: the weighted shadow's keys used c times -> their stamp.
@@ -112,9 +126,9 @@ class Shadows:
 
 class AdaptivePool(FrequencyPool):
     """`FrequencyPool` evicting in LRU's order unless the weighted shadow hit more
-    lately (module docstring). Costs beside `FrequencyPool`'s: `Shadows.refer`
-    per sampled key matched or published (1 in ``num_blocks // SHADOW_KEYS``),
-    and two shadows of about `SHADOW_KEYS` keys, whatever the pool's size."""
+    lately (module docstring). Costs beside `FrequencyPool`'s: the sampling
+    test per block released, `Shadows.refer` per sampled keyed block released
+    (1 in `Shadows.every`), and two shadows of `MIN_KEYS` to `MAX_KEYS` keys."""
 
     __slots__ = ("shadows", "weighted")
 
@@ -137,7 +151,9 @@ class AdaptivePool(FrequencyPool):
         shadows = self.shadows
         every, whole = shadows.every, int.from_bytes
         # `Shadows.sampled` inline, in a comprehension: it runs for every block.
-        picked = [b for b in blocks if not whole(b.key[8:12], "little") % every]  # type: ignore[index]
+        picked = [
+            b for b in blocks if (k := b.key) is not None and not whole(k[8:12], "little") % every
+        ]
         if not picked:
             return
         uses, clock = self.uses, self.clock
@@ -148,15 +164,12 @@ class AdaptivePool(FrequencyPool):
             self.weighted = not self.weighted
             self._weigh(WEIGHT if self.weighted else _FLAT)
 
-    def match(self, hits: list[Block]) -> None:
-        """As `FrequencyPool.match`; the shadows see the sampled hits."""
-        super().match(hits)
-        self._refer(hits)
-
-    def publish(self, blocks: Sequence[Block]) -> None:
-        """As `FrequencyPool.publish`; the shadows see the sampled blocks."""
-        super().publish(blocks)
-        self._refer(blocks)
+    def release(self, blocks: Iterable[Block]) -> None:
+        """As `FrequencyPool.release`; then the shadows see each sampled keyed
+        block released, in that order, with its count (module docstring)."""
+        run = list(blocks)
+        super().release(run)
+        self._refer(run)
 
     def check(self, problems: list[str]) -> None:
         super().check(problems)
