@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint typecheck imports unit venv redis clean
+.PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,12 +33,16 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-unit: $(STAMP) redis
+unit: $(STAMP) redis ibverbs
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 ## redis: the redis-server the remote tier's tests start (on a free loopback port); no PyPI wheel ships it, so apt where missing
 redis:
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
+## ibverbs: libibverbs.so.1, which Mooncake's native library links even over TCP; apt where missing
+ibverbs:
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 
 ## test-vllm: tests/vllm in the vLLM venv (scripts/vllm-env.sh: built once into a cache outside the clone, ~2-5 min; reused in well under a second)
 test-vllm:

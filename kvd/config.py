@@ -39,6 +39,7 @@ from kvd_client.wire.hashing import DEFAULT_HASH_SEED
 from kvd.engine import EVICTION_POLICIES
 from kvd.errors import ConfigError
 from kvd.memory import BACKENDS
+from kvd.memory.mooncake import parse_url as parse_mooncake_url
 
 __all__ = [
     "RELOAD",
@@ -421,15 +422,19 @@ class EventsConfig:
 
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
-    """Tier 2: a Redis (or Valkey) server shared by several nodes (``kvd.memory.remote``)."""
+    """Tier 2: a store shared by several nodes: Redis (or Valkey, ``kvd.memory.remote``)
+    or Mooncake Store (``kvd.memory.mooncake``)."""
 
-    #: ``redis://host:port/db``; "" for no remote tier.
+    #: ``redis://host:port/db``, or ``mooncake://master:port?metadata=URL&segment_mb=N``;
+    #: "" for no remote tier.
     url: str = ""
-    #: Most seconds one call to the store may take (connect, read, write).
+    #: Most seconds one call to a Redis store may take (connect, read, write); Mooncake's
+    #: calls have its own RPC time-outs.
     timeout_s: float = 0.5
     #: After a failed call, seconds in which calls fail at once (misses, counted).
     retry_after_s: float = 5.0
-    #: Expiry of stored blocks in seconds; 0: none (the server's maxmemory policy evicts).
+    #: Expiry of stored blocks in seconds (Redis only); 0: none (the server's maxmemory
+    #: policy evicts; Mooncake evicts by its own watermarks).
     ttl_s: int = 0
     #: Bytes of remote blocks each pool indexes (the names it can promote).
     max_bytes: int = 1 << 30
@@ -439,8 +444,16 @@ class RemoteTierConfig:
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme if self.url else "redis"
         _require(
-            scheme in ("redis", "rediss", "unix"), "url", "must be redis://, rediss:// or unix://"
+            scheme in ("redis", "rediss", "unix", "mooncake"),
+            "url",
+            "must be redis://, rediss://, unix:// or mooncake://",
         )
+        if scheme == "mooncake":
+            try:
+                parse_mooncake_url(self.url)
+            except ValueError as exc:
+                _require(False, "url", str(exc))
+            _require(self.ttl_s == 0, "ttl_s", "must be 0 with Mooncake (it evicts by itself)")
         for key in ("timeout_s", "retry_after_s", "poll_s"):
             _require(getattr(self, key) > 0, key, "must be > 0")
         _require(self.ttl_s >= 0, "ttl_s", "must be >= 0 (0 = none)")
@@ -530,6 +543,18 @@ class Config:
                 "needs tiers.remote.url",
             )
             seen.add(pool.name)
+        remote, guard = self.tiers.remote.url, self.server.memory_guard_bytes
+        if remote.startswith("mooncake://") and guard:
+            # The segment this daemon lends the store is its own anonymous memory as it
+            # fills: past the guard's budget it would look like a hostile client's.
+            where = parse_mooncake_url(remote)
+            lent = where.segment_bytes + where.buffer_bytes
+            _require(
+                lent < guard,
+                "tiers.remote.url",
+                f"segment_mb + buffer_mb ({lent >> 20} MiB) must be below "
+                f"server.memory_guard_bytes ({guard >> 20} MiB): lower them or raise the guard",
+            )
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called ``name``; KeyError when there is none."""

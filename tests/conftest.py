@@ -229,3 +229,54 @@ def redis_server(kvd_workdir: Path) -> Iterator[RedisServer]:
     yield server
     server.client.close()
     server.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class MooncakeMaster:
+    """A real mooncake_master (its HTTP metadata server in process) on loopback ports."""
+
+    def __init__(self) -> None:
+        binary = Path(sys.executable).parent / "mooncake_master"
+        if not binary.exists():  # CI must not pass without the Mooncake tier's tests
+            pytest.fail("mooncake_master is not installed: `make venv` installs it (kvd[mooncake])")
+        self.rpc_port, self.http_port, metrics = _free_port(), _free_port(), _free_port()
+        self.url = (
+            f"mooncake://127.0.0.1:{self.rpc_port}"
+            f"?metadata=http://127.0.0.1:{self.http_port}/metadata&segment_mb=32&buffer_mb=16"
+        )
+        args = [str(binary), "-rpc_port", str(self.rpc_port), "-metrics_port", str(metrics)]
+        args += ["-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1"]
+        args += ["-http_metadata_server_port", str(self.http_port)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._listening():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.kill()
+                pytest.fail(f"mooncake_master did not start on port {self.rpc_port}")
+            time.sleep(0.05)
+
+    def _listening(self) -> bool:
+        for port in (self.rpc_port, self.http_port):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the master (as a crash would) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    """A running mooncake_master, killed at teardown."""
+    master = MooncakeMaster()
+    yield master
+    master.kill()

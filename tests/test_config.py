@@ -141,6 +141,10 @@ def test_namespace_limits_from_file(tmp_path: Path) -> None:
         ("[events]\nbuffer = 0\n", "events.buffer"),
         ('[tiers.remote]\nurl = "http://x"\n', "tiers.remote.url"),
         ("[tiers.remote]\ntimeout_s = 0\n", "tiers.remote.timeout_s"),
+        ('[tiers.remote]\nurl = "mooncake://m"\n', "tiers.remote.url"),
+        ('[tiers.remote]\nurl = "mooncake://m:1?segment_mb=0"\n', "tiers.remote.url"),
+        ('[tiers.remote]\nurl = "mooncake://m:1"\nttl_s = 60\n', "tiers.remote.ttl_s"),
+        ('[tiers.remote]\nurl = "mooncake://m:1?segment_mb=4096"\n', "tiers.remote.url"),
         ("[[pools]]\nremote_tier = true\n", "pools[0].remote_tier"),
         ('[[pools]]\nremote_tier = true\nbackend = "cuda"\n', "pools[0].remote_tier"),
     ],
@@ -164,6 +168,12 @@ def test_a_host_tier_chains_onto_the_remote_one() -> None:
         },
     )
     assert (config.pools[0].tier_blocks, config.pools[0].remote_tier) == (8, True)
+
+
+def test_a_mooncake_store_is_a_remote_tier() -> None:
+    url = "mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&segment_mb=96"
+    config = load_config(env={}, overrides={"pools.0.remote_tier": "true", "tiers.remote.url": url})
+    assert config.tiers.remote.url == url
 
 
 _CURVE = {"server.curve_secret_key_file": "/k/server.key_secret", "server.curve_clients_dir": "/k"}

@@ -27,12 +27,12 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 import numpy as np
 from kvd_client.wire import PoolLayout
 
-from kvd.memory.tier import block_view, split_name
+from kvd.memory.tier import TierStore, block_view, split_name
 
 try:
     import redis
@@ -47,9 +47,12 @@ __all__ = [
     "REMOTE_UNAVAILABLE",
     "RedisTier",
     "RemoteError",
+    "RemoteStore",
     "decode_block",
     "encode_block",
+    "join_names",
     "layout_fingerprint",
+    "split_names",
 ]
 
 #: The store did not answer in time or refused the connection (the breaker opens).
@@ -114,6 +117,15 @@ def decode_block(fingerprint: bytes, key: bytes, size: int, value: bytes) -> mem
     if _digest(payload) != digest:
         raise RemoteError(REMOTE_CORRUPT, "checksum mismatch")
     return payload
+
+
+@runtime_checkable
+class RemoteStore(TierStore, Protocol):
+    """A tier store shared by nodes: `RedisTier`, `kvd.memory.mooncake.MooncakeTier`."""
+
+    def poll(self) -> list[bytes]:
+        """`object_name`s other nodes stored since the last poll (RemoteError on failure)."""
+        ...
 
 
 class RedisTier:
@@ -184,7 +196,7 @@ class RedisTier:
             _, key = split_name(name)
             payload = self._source[..., block, :].tobytes()
             pipe.set(self._name(name), encode_block(self.fingerprint, key, payload), ex=self._ttl)
-        pipe.xadd(self._stream, {b"n": _join(keys)}, maxlen=self._stream_max, approximate=True)
+        pipe.xadd(self._stream, {b"n": join_names(keys)}, maxlen=self._stream_max, approximate=True)
         try:
             pipe.execute()
         except redis.RedisError as exc:
@@ -226,7 +238,7 @@ class RedisTier:
         for _, records in reply or ():
             for record_id, fields in records:
                 self._cursor = record_id.decode()
-                names += _names(fields.get(b"n", b""))
+                names += split_names(fields.get(b"n", b""))
         return names
 
     def info(self) -> dict[str, Any]:
@@ -246,13 +258,13 @@ class RedisTier:
         self._redis.close()
 
 
-def _join(names: Sequence[bytes]) -> bytes:
+def join_names(names: Sequence[bytes]) -> bytes:
     """``names`` as one stream field: each after its length (2 bytes, little-endian)."""
     return b"".join(len(n).to_bytes(2, "little") + n for n in names)
 
 
-def _names(joined: bytes) -> list[bytes]:
-    """The names `_join` joined (a truncated tail is dropped)."""
+def split_names(joined: bytes) -> list[bytes]:
+    """The names `join_names` joined (a truncated tail is dropped)."""
     out, i = [], 0
     while i + 2 <= len(joined):
         end = i + 2 + int.from_bytes(joined[i : i + 2], "little")

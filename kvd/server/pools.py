@@ -33,7 +33,8 @@ from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memor
 from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
 from kvd.memory.cuda import CudaAllocation
 from kvd.memory.cuda_tier import PinnedHostTier
-from kvd.memory.remote import RedisTier
+from kvd.memory.mooncake import MooncakeTier
+from kvd.memory.remote import RedisTier, RemoteStore
 from kvd.memory.shm import ShmSegment
 from kvd.memory.tier import HostTier, TierStore, tier_layout
 
@@ -155,7 +156,7 @@ class Pools:
             headroom_bytes=mem.headroom_bytes,
         )
         tier: TierStore | None = None
-        remote: RedisTier | None = None
+        remote: RemoteStore | None = None
         try:
             if pool.tier_blocks and isinstance(memory, CudaAllocation):
                 tier = PinnedHostTier.create(memory, pool.tier_blocks)
@@ -168,15 +169,25 @@ class Pools:
                 assert isinstance(memory, ShmSegment)  # PoolConfig refuses a cuda one
                 cfg = self.config.tiers.remote
                 # Under a host tier it writes through from that tier's copies.
-                remote = RedisTier(
-                    pool.layout,
-                    memory.buffer(),
-                    cfg.url,
-                    timeout_s=cfg.timeout_s,
-                    retry_after_s=cfg.retry_after_s,
-                    ttl_s=cfg.ttl_s,
-                    source=tier.view() if isinstance(tier, HostTier) else None,
-                )
+                source = tier.view() if isinstance(tier, HostTier) else None
+                if cfg.url.startswith("mooncake://"):
+                    remote = MooncakeTier(
+                        pool.layout,
+                        memory.buffer(),
+                        cfg.url,
+                        retry_after_s=cfg.retry_after_s,
+                        source=source,
+                    )
+                else:
+                    remote = RedisTier(
+                        pool.layout,
+                        memory.buffer(),
+                        cfg.url,
+                        timeout_s=cfg.timeout_s,
+                        retry_after_s=cfg.retry_after_s,
+                        ttl_s=cfg.ttl_s,
+                        source=source,
+                    )
         except BaseException:
             if tier is not None:
                 tier.close()

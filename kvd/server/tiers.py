@@ -26,7 +26,7 @@ demotion leaves the block uncopied, a failed promotion publishes nothing
 
 - *Discovery* (remote tier only): a loop task reads, every
   ``tiers.remote.poll_s``, the names the nodes sharing the store stored
-  (`RedisTier.poll`, a worker thread) and indexes them (`Tier.learn`), so
+  (`RemoteStore.poll`, a worker thread) and indexes them (`Tier.learn`), so
   an allocate finds another node's blocks without a network call on the
   request path; a name stored since the last read is a miss until the next.
 
@@ -53,7 +53,7 @@ import structlog
 from kvd_client import wire
 
 from kvd.engine.tier import Demotion, Promotion, Tier
-from kvd.memory.remote import RedisTier, RemoteError
+from kvd.memory.remote import RemoteError, RemoteStore
 from kvd.memory.tier import TierStore, object_name, split_name
 from kvd.server.context import Outcome, ServerState, SessionCall
 from kvd.server.pools import ServedPool
@@ -258,10 +258,10 @@ class Tiers:
         return True
 
     @staticmethod
-    def _remote(pool: ServedPool) -> tuple[Tier, RedisTier] | None:
+    def _remote(pool: ServedPool) -> tuple[Tier, RemoteStore] | None:
         """``pool``'s remote tier and store, if it has one."""
         for tier, store in chain(pool):
-            if isinstance(store, RedisTier):
+            if isinstance(store, RemoteStore):
                 return tier, store
         return None
 
@@ -276,7 +276,7 @@ class Tiers:
             await anyio.sleep(pause)
 
     async def _learn(
-        self, pool: ServedPool, tier: Tier, store: RedisTier, lock: threading.Lock
+        self, pool: ServedPool, tier: Tier, store: RemoteStore, lock: threading.Lock
     ) -> None:
         try:
             names = await anyio.to_thread.run_sync(store.poll)
