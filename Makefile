@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py client/kvd_client/wire/_keys.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: any other version downloads several GB.

@@ -249,11 +249,22 @@ def test_another_process_computes_the_same_keys() -> None:
 BAD_KEYS_CALLS: list[tuple[str, dict[str, Any], str]] = [
     ("negative token in a list", {"tokens": [5, -1, 7]}, "non-negative"),
     ("negative token in an array", {"tokens": np.array([5, -1, 7])}, "non-negative, got -1"),
+    ("negative token in the partial tail", {"tokens": np.array([1] * 8 + [-3])}, "got -3"),
     ("token of 2**32", {"tokens": [0, 2**32]}, "below 2\\*\\*32"),
+    ("token of 2**32 in block 1 of a list", {"tokens": [1] * 4 + [2**32]}, "below 2\\*\\*32"),
+    (
+        "uint64 token of 2**63",
+        {"tokens": np.array([2**63], dtype=np.uint64)},
+        "got 9223372036854775808",
+    ),
     ("token of 2**64", {"tokens": [2**64]}, "below 2\\*\\*32"),
     ("float token in a list", {"tokens": [1.0, 2.0]}, "must be integers"),
+    ("str token in a tuple", {"tokens": ("1", "2")}, "must be integers"),
     ("float array", {"tokens": np.array([1.0, 2.0])}, "integers, got dtype float64"),
+    ("bool array", {"tokens": np.array([True, False])}, "integers, got dtype bool"),
+    ("object array", {"tokens": np.array([1, 2], dtype=object)}, "integers, got dtype object"),
     ("2-D array", {"tokens": np.zeros((2, 16), dtype=np.int32)}, "1-D"),
+    ("0-D array", {"tokens": np.array(5)}, "0 dimensions"),
     ("root parent after block 0", {"first_block": 2}, "parent is required"),
     ("short parent", {"parent": b"\x00" * 8}, "32-byte key"),
     ("negative first_block", {"parent": b"\x00" * 32, "first_block": -1}, "non-negative int"),
@@ -277,6 +288,21 @@ def test_bad_input_raises_value_error_and_changes_nothing(
     with pytest.raises(ValueError, match=message):
         hasher.keys(tokens, parent, **call)
     assert hasher.keys(np.arange(8), None) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs", [case[1] for case in BAD_KEYS_CALLS], ids=[case[0] for case in BAD_KEYS_CALLS]
+)
+def test_bad_input_gives_the_same_error_through_c_and_python(kwargs: dict[str, Any]) -> None:
+    hasher = BlockHasher(4)
+    call: dict[str, Any] = {"tokens": np.arange(8), "parent": None, **kwargs}
+    tokens, parent = call.pop("tokens"), call.pop("parent")
+    errors = set()
+    for method in (hasher.keys, hasher.keys_blob, hasher.keys_python):
+        with pytest.raises(ValueError) as err:
+            method(tokens, parent, **call)
+        errors.add(str(err.value))
+    assert len(errors) == 1
 
 
 @pytest.mark.parametrize("block_size", [0, -16, True, 16.0])

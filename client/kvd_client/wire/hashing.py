@@ -37,24 +37,60 @@ vLLM publishes extra keys in its KV events untagged (``to_event_extra_keys``:
 bare LoRA names and salts); that is the events' business, not the keys'.
 
 Speed: vLLM builds one Python tuple per block and CBOR-encodes it (2-3
-microseconds per block). Here the CBOR bytes of every block of a call are laid
-out by a fixed number of numpy passes, and the per-block Python work is one
-SHA-256 (from a state that already holds the constant first three bytes) over
-the parent and the block's bytes. ``bench/hashing.py`` measures it beside the
-per-block cbor2 form.
+microseconds per block). kvd computes every block of a call in one C loop
+(``_keys.c``: each block's CBOR laid out in one buffer, then OpenSSL's
+SHA-256), well under a microsecond per block. ``keys_python`` is the same
+computation in Python (a fixed number of numpy passes lay out the CBOR of many
+blocks, then one SHA-256 per block): the reference the C loop is tested
+against, and what ``keys`` runs where the extension is not built, with a
+RuntimeWarning at import (``IMPLEMENTATION`` says which). ``bench/hashing.py``
+measures both beside the per-block cbor2 form.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
-from collections.abc import Sequence
-from typing import Final
+import importlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEFAULT_HASH_SEED", "KEY_SIZE", "BlockHasher", "KeyList", "event_id", "root_digest"]
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "IMPLEMENTATION",
+    "KEY_SIZE",
+    "BlockHasher",
+    "KeyList",
+    "event_id",
+    "root_digest",
+]
+
+_c_keys: Callable[..., list[bytes] | None] | None
+_c_blob: Callable[..., bytes | None] | None
+try:
+    # By name: import-linter cannot see a C module and would take a static import
+    # of it for one of the package kvd_client.wire, most of which the engine may not import.
+    _c = importlib.import_module("kvd_client.wire._keys")
+except ImportError as exc:
+    _c_keys = _c_blob = None
+    warnings.warn(
+        f"kvd_client.wire._keys is not built ({exc}): block keys are computed in Python,"
+        " several times slower. Build it with `pip install -e .` (`make venv`) where a C"
+        " compiler and OpenSSL's headers (Debian: libssl-dev) are installed.",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+else:
+    _c_keys, _c_blob = _c.keys, _c.blob
+
+#: Which code computes ``BlockHasher.keys``: the C extension, or Python where it
+#: was not built.
+IMPLEMENTATION: Final[Literal["c", "python"]] = "python" if _c_keys is None else "c"
 
 #: vLLM's default seed for the root digest (``DEFAULT_NONE_HASH_SEED``).
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
@@ -219,9 +255,66 @@ class BlockHasher:
         ``first_block == 0``. ``first_block`` is the index of the first block
         of ``tokens`` in its sequence: the namespace salt goes on block 0
         only. Token ids must be non-negative and below 2**32. Raises
-        ValueError on bad input.
+        ValueError on bad input. Computed by the C loop (``IMPLEMENTATION``).
         """
-        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+        parent, extras, block0_extras = self._check(parent, first_block, namespace, adapter)
+        if _c_keys is None:
+            return self._python_keys(tokens, parent, extras, block0_extras)
+        # Written out, not shared with keys_blob: a Python call costs ~0.1 µs, most of
+        # what a block costs in C.
+        head, bs = self._array_head, self.block_size
+        direct = tokens if type(tokens) in _C_DIRECT else _c_input(tokens)
+        out = _c_keys(direct, bs, parent, head, extras, block0_extras)
+        if out is None:
+            out = _c_keys(_checked_tokens(tokens), bs, parent, head, extras, block0_extras)
+            assert out is not None, "the C loop takes any checked token ids"
+        return out
+
+    def keys_blob(
+        self,
+        tokens: npt.NDArray[np.integer] | Sequence[int],
+        parent: bytes | None,
+        *,
+        first_block: int = 0,
+        namespace: str = "",
+        adapter: str | None = None,
+    ) -> bytes:
+        """``b"".join(self.keys(...))``, without the list: the wire's form of keys."""
+        parent, extras, block0_extras = self._check(parent, first_block, namespace, adapter)
+        if _c_blob is None:
+            return b"".join(self._python_keys(tokens, parent, extras, block0_extras))
+        head, bs = self._array_head, self.block_size
+        direct = tokens if type(tokens) in _C_DIRECT else _c_input(tokens)
+        out = _c_blob(direct, bs, parent, head, extras, block0_extras)
+        if out is None:
+            out = _c_blob(_checked_tokens(tokens), bs, parent, head, extras, block0_extras)
+            assert out is not None, "the C loop takes any checked token ids"
+        return out
+
+    def keys_python(
+        self,
+        tokens: npt.NDArray[np.integer] | Sequence[int],
+        parent: bytes | None,
+        *,
+        first_block: int = 0,
+        namespace: str = "",
+        adapter: str | None = None,
+    ) -> list[bytes]:
+        """``keys`` computed in Python: the reference the C loop is tested
+        against, and what ``keys`` runs where the extension is not built."""
+        parent, extras, block0_extras = self._check(parent, first_block, namespace, adapter)
+        return self._python_keys(tokens, parent, extras, block0_extras)
+
+    def _check(
+        self, parent: bytes | None, first_block: int, namespace: str, adapter: str | None
+    ) -> tuple[bytes, bytes, bytes | None]:
+        """Check every argument but the token ids. Returns the parent key (the root
+        for None), the CBOR of every block's extra keys, and block 0's (None: the same)."""
+        # ``type() is int`` first: isinstance costs more, and calls pass ints.
+        if (
+            type(first_block) is not int
+            and (isinstance(first_block, bool) or not isinstance(first_block, int))
+        ) or first_block < 0:
             raise ValueError(f"first_block must be a non-negative int, got {first_block!r}")
         if parent is None:
             if first_block != 0:
@@ -236,21 +329,26 @@ class BlockHasher:
             raise ValueError(f"namespace must be a str, got {type(namespace).__name__}")
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             raise ValueError(f"adapter must be a non-empty str or None, got {adapter!r}")
-        arr, lo, hi = _token_array(tokens)
+        # Block 0 alone carries the salt.
+        salt = namespace if first_block == 0 else ""
+        if adapter is None and not salt:  # most calls: no lookup
+            return parent, _NULL, None
+        return (parent, *_extras(adapter, salt))
 
+    def _python_keys(
+        self,
+        tokens: npt.NDArray[np.integer] | Sequence[int],
+        parent: bytes,
+        extras: bytes,
+        block0_extras: bytes | None,
+    ) -> list[bytes]:
+        """The Python computation of ``keys``, on checked arguments."""
+        arr, lo, hi = _token_array(tokens)
         bs = self.block_size
         num_blocks = arr.size // bs
         if num_blocks == 0:
             return []
         blocks = arr[: num_blocks * bs].reshape(num_blocks, bs)
-        lora: list[tuple[str, ...]] = [] if adapter is None else [("lora", adapter, "")]
-        extras = _cbor_extras(lora)
-        # Block 0 alone carries the salt: it is hashed with its own extras.
-        block0_extras = (
-            _cbor_extras([*lora, ("cache_salt", namespace)])
-            if first_block == 0 and namespace
-            else None
-        )
         # Bounds of the whole input: a partial tail can only make the test stricter.
         lo_class = _width_class(lo)
         uniform = lo_class if lo_class == _width_class(hi) else None
@@ -283,6 +381,32 @@ class BlockHasher:
         return out
 
 
+# Token inputs the C loop reads as they are (a type test is quicker than isinstance).
+_C_DIRECT: Final = (list, tuple, np.ndarray)
+
+
+def _c_input(tokens: npt.NDArray[np.integer] | Sequence[int]) -> object:
+    """``tokens`` as the C loop reads them: as _token_array, lists and tuples
+    (subclasses too: the loop declines them) item by item, anything else as an array."""
+    return tokens if isinstance(tokens, list | tuple) else np.asarray(tokens)
+
+
+def _checked_tokens(tokens: npt.NDArray[np.integer] | Sequence[int]) -> npt.NDArray[np.uint64]:
+    """Token ids the C loop declined (it takes native-order integer arrays and
+    exact lists or tuples of ints, all in range): checked by the reference, which
+    raises its errors, and handed back as uint64."""
+    arr, _, _ = _token_array(tokens)
+    return arr.astype(np.uint64, copy=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _extras(adapter: str | None, salt: str) -> tuple[bytes, bytes | None]:
+    """CBOR of every block's extra keys, and of block 0's when ``salt`` adds one."""
+    lora: list[tuple[str, ...]] = [] if adapter is None else [("lora", adapter, "")]
+    block0 = _cbor_extras([*lora, ("cache_salt", salt)]) if salt else None
+    return _cbor_extras(lora), block0
+
+
 def _encode_tokens(
     blocks: npt.NDArray[np.integer], uniform: int | None
 ) -> tuple[bytes, Sequence[int]]:
@@ -301,7 +425,8 @@ def _encode_tokens(
         step = width * blocks.shape[1]
         return data, range(step, len(data) + 1, step)
     index = flat >> 3
-    np.minimum(index, _CLASS_OF.size - 1, out=index)
+    if flat.itemsize > 1:  # 8-bit ids are within the table, whose size they cannot hold
+        np.minimum(index, _CLASS_OF.size - 1, out=index)
     cls = _CLASS_OF.take(index)
     words = flat.astype(np.uint64)
     words |= _CLASS_HEAD.take(cls)
