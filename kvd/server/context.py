@@ -85,7 +85,7 @@ class Call:
 class SessionCall:
     """A message from a connection with a session: the session and its pool's engine."""
 
-    __slots__ = ("batch", "engine", "extras", "identity", "session")
+    __slots__ = ("defer", "engine", "extras", "identity", "session")
 
     def __init__(
         self, identity: bytes, extras: Sequence[bytes], session: Session, engine: Engine
@@ -94,5 +94,6 @@ class SessionCall:
         self.extras = extras
         self.session = session
         self.engine = engine
-        #: An operation of a batch (answered with the batch: never deferred).
-        self.batch = False
+        #: Whether its reply may wait for a tier promotion: not for an operation
+        #: of a batch answered in one go (`Dispatcher.handle`'s batches).
+        self.defer = True

@@ -97,8 +97,6 @@ log = structlog.get_logger("kvd.server")
 
 # A plain int: pyzmq's flag enums cost an enum construction per operation.
 _NOBLOCK: Final = int(zmq.NOBLOCK)
-#: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
-_REFUSE_AT_EXIT = 10_000
 #: A body frame larger than this is handed to the decoder as a view, not copied.
 _COPY_BODY_MAX: Final = 64 * 1024
 #: Engine events move to the channels every 2 ms while they flow, up to 64 ms apart idle.
@@ -154,6 +152,8 @@ class Daemon:
         self._lock = threading.Lock()
         #: Frames (routing id first) the loop wants sent; the request thread sends them.
         self._outbox: collections.deque[list[bytes]] = collections.deque()
+        #: Batch runs whose promoted operation ran, for the request thread to go on with.
+        self._resumed: collections.deque[tuple[bytes, BatchRun]] = collections.deque()
         #: The loop's DEALER to the ROUTER (inproc), and the routing id it has there.
         self._wake: zmq.Socket[bytes] | None = None
         self._loop_id = b"\xffkvd-loop-" + secrets.token_bytes(16)
@@ -169,7 +169,6 @@ class Daemon:
         self._monitor: zmq.Socket[bytes] | None = None
         #: Reply bytes libzmq holds per peer (the request thread's).
         self._replies = transport.ReplyQueues(server.max_queued_reply_bytes)
-        #: Replies dropped because their peer does not read (the request thread's).
         #: Messages the request thread took (the loop trims memory when it stands still).
         self._handled = 0
         #: tcp hellos waiting for their peer's pid: (identity, frames, user id, connection).
@@ -348,7 +347,7 @@ class Daemon:
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
             assert self._monitor is not None and self.dispatcher is not None
-            tg.start_soon(self.dispatcher.tiers.serve, self._lock, self._send)
+            tg.start_soon(self.dispatcher.tiers.serve, self._lock, self._send, self._resume)
             tg.start_soon(
                 guard_connections,
                 self._monitor,
@@ -469,24 +468,27 @@ class Daemon:
         handle = dispatcher.handle_sliced
         lock = self._lock
         outbox = self._outbox
+        resumed = self._resumed
         loop_id = self._loop_id
         # Long batches being run a slice at a time, oldest first: one slice between
         # any two messages, so no connection waits for another's whole batch.
         runs: collections.deque[tuple[bytes, BatchRun]] = collections.deque()
 
         def step(finish: bytes | None = None) -> None:
-            """The next slice of the oldest run; ``finish``: all of that peer's run."""
+            """The next slice of the oldest run; ``finish``: all of that peer's run
+            (up to an operation that waits for a promotion: the run leaves ``runs``
+            until the loop hands it back)."""
             for _ in range(len(runs)):
                 peer_id, run = runs.popleft()
                 if finish is None or peer_id == finish:
                     with lock:
                         reply = run.step()
-                        while finish is not None and reply is None:
+                        while finish is not None and reply is None and not run.paused:
                             reply = run.step()
-                    if reply is None:
-                        runs.append((peer_id, run))
-                    else:
+                    if reply is not None:
                         deliver(sock, peer_id, reply)
+                    elif not run.paused:
+                        runs.append((peer_id, run))
                     if finish is None:
                         return
                 else:
@@ -547,11 +549,13 @@ class Daemon:
                         step(peer_id)
                 with lock:
                     if frames[0] == b"stop":
-                        self._refuse_queued(sock, dispatcher)
+                        transport.refuse_queued(sock, dispatcher.refuse_shutting_down)
                         return
                     while outbox:
                         queued = outbox.popleft()
                         deliver(sock, queued[0], queued[1:])
+                while resumed:
+                    runs.append(resumed.popleft())
                 continue
             # The connection spoke: a complete message (the memory guard's test).
             fd = ident.get(srcfd)
@@ -611,18 +615,6 @@ class Daemon:
                 )
                 self.dispatcher.handshake.close(session, "replies_unread")
 
-    @staticmethod
-    def _refuse_queued(sock: zmq.Socket[bytes], dispatcher: Dispatcher) -> None:
-        """Answer what is still queued with SHUTTING_DOWN rather than silence (bounded)."""
-        for _ in range(_REFUSE_AT_EXIT):
-            try:
-                ident = sock.recv(zmq.NOBLOCK)
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart([ident, *dispatcher.refuse_shutting_down(frames)], zmq.NOBLOCK)
-
     # ------------------------------------------------------------------
     # Runtime pools
 
@@ -630,6 +622,13 @@ class Daemon:
         """Queue a reply for the request thread (the loop never touches the socket)."""
         if self._wake is not None:
             self._outbox.append([identity, *frames])
+            self._nudge()
+
+    def _resume(self, identity: bytes, run: BatchRun) -> None:
+        """Hand a batch run whose promoted operation ran back to the request
+        thread, which runs the rest in slices (loop only)."""
+        if self._wake is not None:
+            self._resumed.append((identity, run))
             self._nudge()
 
     def _nudge(self) -> None:

@@ -31,10 +31,13 @@ as a `BatchRun`, a slice of operations (`BATCH_SLICE_NS` of work) at a
 time, and the request thread serves other connections' messages between
 slices (docs/architecture.md, "Request path"). Each operation stays
 atomic, as BATCH promises (each runs on its own, in order); the batch's
-reply goes out when its last operation is done. The one blocking step a request can need, creating
-a runtime pool, is not run here: the hello's handler answers a
-`PendingHello`, `handle` returns no frames, and the daemon creates the
-pool off the request thread and asks `finish_hello` for the reply.
+reply goes out when its last operation is done. Every batch of a pool
+with a tier runs as a `BatchRun` too: an operation whose prefix continues
+into the tier pauses it until its promotion is done (`kvd.server.tiers`).
+The one blocking step a request can need, creating a runtime pool, is not
+run here: the hello's handler answers a `PendingHello`, `handle` returns
+no frames, and the daemon creates the pool off the request thread and
+asks `finish_hello` for the reply.
 """
 
 from __future__ import annotations
@@ -259,9 +262,16 @@ class Dispatcher:
                 self._limit(session.id)
                 engine = state.pools[session.pool].engine
                 scall = SessionCall(identity, frames[2:], session, engine)
-                if sliced and kind == _BATCH and _SLICE_MIN_OPS < ops <= wire.MAX_BATCH_OPS:
+                if (
+                    sliced
+                    and kind == _BATCH
+                    and ops <= wire.MAX_BATCH_OPS
+                    and (ops > _SLICE_MIN_OPS or engine.tier is not None)
+                ):
                     run = BatchRun(self, typing.cast(wire.BatchRequest, req), scall)
-                    return name, ops, run if run.step() is None else run.reply
+                    if run.step() is not None:
+                        return name, ops, run.reply
+                    return name, ops, [] if run.paused else run
                 done = self._run(req, scall)
                 if isinstance(done, PendingPromotion):  # answered by finish_promotion
                     return name, ops, []
@@ -310,26 +320,38 @@ class Dispatcher:
             raise RequestError(wire.Code.TOO_LARGE, f"more than {wire.MAX_BATCH_OPS} operations")
         # The batch's token frame is decoded once; each op takes a slice of it.
         call.extras = wire.TokenFrames(call.extras)
-        call.batch = True
-        op_result = self._batch_op
-        return wire.BatchResult(results=[op_result(op, call) for op in req.ops])
+        call.defer = False  # answered in one go: its operations match the pool only
+        results = []
+        for op in req.ops:
+            result = self._batch_op(op, call)
+            assert not isinstance(result, PendingPromotion)
+            results.append(result)
+        return wire.BatchResult(results=results)
 
-    def _batch_op(self, op: Any, call: SessionCall) -> dict[str, Any]:
-        """One operation's `wire.OpResult` map (built directly: same keys, same order)."""
+    def _batch_op(self, op: Any, call: SessionCall) -> dict[str, Any] | PendingPromotion:
+        """One operation's `wire.OpResult` map (built directly: same keys, same
+        order), or the promotion it waits for (`BatchRun` only)."""
         try:
             sub = wire.decode_batch_op(op, call.extras)
             outcome = self._run(sub, call)
         except (wire.ProtocolError, RequestError) as exc:
-            self.state.rpc.error(exc.code)
-            return {"ok": False, "code": str(exc.code), "msg": exc.message}
+            return self._op_error(exc.code, exc.message)
+        if isinstance(outcome, PendingPromotion):
+            return outcome
+        return self._op_map(outcome)
+
+    def _op_map(self, outcome: Outcome) -> dict[str, Any]:
+        """The `wire.OpResult` map of an operation's outcome."""
         if isinstance(outcome, Refusal):
-            self.state.rpc.error(str(outcome.code))
-            return {"ok": False, "code": str(outcome.code), "msg": outcome.message}
-        assert not isinstance(outcome, PendingPromotion)  # a batch's ops are never deferred
+            return self._op_error(wire.Code(outcome.code), outcome.message)
         # Results carry no token fields: nothing goes to extra frames.
         if isinstance(outcome, dict):
             return {"ok": True, "r": outcome}
         return {"ok": True, "r": outcome.to_map(_NO_FRAMES)}
+
+    def _op_error(self, code: wire.Code, message: str) -> dict[str, Any]:
+        self.state.rpc.error(code)
+        return {"ok": False, "code": str(code), "msg": message}
 
     def _error(self, req_id: int | None, code: wire.Code, message: str) -> list[bytes]:
         self.state.rpc.error(code)
@@ -376,7 +398,11 @@ class Dispatcher:
     def finish_promotion(self, job: PendingPromotion) -> list[bytes]:
         """The reply to an allocate or lookup once its promotion is done (under
         the lock): it runs now, as if it had just arrived (SESSION_LOST when its
-        session closed meanwhile)."""
+        session closed meanwhile). An operation of a batch goes into its
+        `BatchRun`, which is then ready to `step` again: no frames."""
+        if job.batch is not None:
+            job.batch.resume(self._promoted_op(job))
+            return []
         t0 = time.perf_counter_ns()
         req_id = job.req.id
         call = job.call
@@ -396,6 +422,16 @@ class Dispatcher:
         self._record(_KIND_NAMES[job.req.KIND], 1, time.perf_counter_ns() - t0)
         return reply
 
+    def _promoted_op(self, job: PendingPromotion) -> dict[str, Any]:
+        """The result map of a batch's operation whose promotion is done."""
+        call = job.call
+        if self.state.sessions.peek(call.identity) is not call.session:
+            return self._op_error(wire.Code.SESSION_LOST, "the session closed")
+        try:
+            return self._op_map(self._guard(job.req, job.run, call))
+        except RequestError as exc:
+            return self._op_error(exc.code, exc.message)
+
     def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
         """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
         try:
@@ -406,7 +442,7 @@ class Dispatcher:
 
 
 class BatchRun:
-    """A long batch run a slice at a time (`Dispatcher.handle_sliced`).
+    """A batch run a slice at a time (`Dispatcher.handle_sliced`).
 
     Each `step` runs operations in order for about `BATCH_SLICE_NS` and
     returns None while some are left, then the reply frames (also in
@@ -414,10 +450,23 @@ class BatchRun:
     had arrived before the rest of the batch: each operation is atomic on
     its own, which is all a batch promises. A session closed meanwhile
     (pid gone, lease expired, goodbye) fails the operations left with
-    SESSION_LOST, as a batch sent after the close would.
+    SESSION_LOST, as a batch sent after the close would. An operation
+    waiting for a tier promotion leaves the run ``paused`` (step returns
+    None) until `resume` gives its result: the owner of the run must not
+    step it meanwhile.
     """
 
-    __slots__ = ("_call", "_d", "_next", "_ops", "_results", "elapsed_ns", "reply", "req_id")
+    __slots__ = (
+        "_call",
+        "_d",
+        "_next",
+        "_ops",
+        "_results",
+        "elapsed_ns",
+        "paused",
+        "reply",
+        "req_id",
+    )
 
     def __init__(self, dispatcher: Dispatcher, req: wire.BatchRequest, call: SessionCall) -> None:
         self._d = dispatcher
@@ -425,11 +474,11 @@ class BatchRun:
         self._call = call
         # The batch's token frame is decoded once; each op takes a slice of it.
         call.extras = wire.TokenFrames(call.extras)
-        call.batch = True
         self._results: list[dict[str, Any]] = []
         self._next = 0
         self.req_id: int = req.id
         self.elapsed_ns = 0
+        self.paused = False
         self.reply: list[bytes] = []
 
     def step(self) -> list[bytes] | None:
@@ -447,7 +496,12 @@ class BatchRun:
             i = n
         op_result = d._batch_op
         while i < n:
-            results.append(op_result(ops[i], call))
+            result = op_result(ops[i], call)
+            if isinstance(result, PendingPromotion):  # `resume` adds its result
+                result.batch = self
+                self.paused = True
+                break
+            results.append(result)
             i += 1
             if clock() >= end:
                 break
@@ -455,6 +509,16 @@ class BatchRun:
         self.elapsed_ns += clock() - t0
         if i < n:
             return None
-        self.reply = wire.encode_ok(self.req_id, wire.BatchResult(results=results))
-        d._record(_KIND_NAMES[wire.Kind.BATCH], n, self.elapsed_ns)
+        return self._done()
+
+    def resume(self, result: dict[str, Any]) -> None:
+        """The paused operation's result, once its promotion is done (under the
+        lock): the run may `step` again."""
+        self._results.append(result)
+        self._next += 1
+        self.paused = False
+
+    def _done(self) -> list[bytes]:
+        self.reply = wire.encode_ok(self.req_id, wire.BatchResult(results=self._results))
+        self._d._record(_KIND_NAMES[wire.Kind.BATCH], len(self._ops), self.elapsed_ns)
         return self.reply

@@ -9,16 +9,19 @@ in worker threads, and tells the engine under the request lock:
   goes on while there are more. A block an allocation took while its copy
   ran does not count: the engine voided it when it handed the block out,
   before the taker's reply left.
-- *Promotion*: an allocate or a held lookup (not in a batch) whose prefix
-  continues into the tier is not answered at once. The handler asks the
-  engine to hold that part (`Engine.promote`, `promote_keys`) and queues a
+- *Promotion*: an allocate or a held lookup whose prefix continues into
+  the tier is not answered at once. The handler asks the engine to hold
+  that part (`Engine.promote`, `promote_keys`) and queues a
   `PendingPromotion`; the request thread goes on serving everyone else. A
   loop task copies tier -> pool in a worker thread, then, under the lock,
   publishes the promoted blocks and runs the request itself
   (`Dispatcher.finish_promotion`), whose whole prefix is then a pool hit;
   the reply is sent through the loop's outbox. So no reply names a block
   whose bytes are not in place, and no other session waits for a copy. The
-  client sees one reply, a little later.
+  client sees one reply, a little later. An operation of a batch run in
+  slices (a `BatchRun`: every batch of a pool with a tier) pauses its
+  batch the same way: once the operation has run, the loop hands the batch
+  back to the request thread (``resume``), which runs the rest in slices.
 
 A copy that raises counts as an error (`TierStats.errors`): a failed
 demotion leaves the block uncopied, a failed promotion publishes nothing
@@ -87,9 +90,10 @@ def chain(pool: ServedPool) -> list[tuple[Tier, TierStore]]:
 
 class PendingPromotion:
     """An allocate (or held lookup) waiting for its tier blocks to be copied into
-    the pool; ``run`` answers it then."""
+    the pool; ``run`` answers it then. ``batch``: the paused batch run it is an
+    operation of (None: a request of its own)."""
 
-    __slots__ = ("call", "pool", "promotion", "req", "run")
+    __slots__ = ("batch", "call", "pool", "promotion", "req", "run")
 
     def __init__(
         self,
@@ -104,6 +108,7 @@ class PendingPromotion:
         self.pool = pool
         self.promotion = promo
         self.run = run
+        self.batch: Any = None
 
 
 class _Wake:
@@ -177,7 +182,7 @@ class Tiers:
         """The promotion an allocate or a held lookup needs first, queued (``run``
         answers the request once it is done); None: answer it now."""
         pool = self._state.pools.get(call.session.pool)
-        if pool is None or pool.tier is None or call.batch:
+        if pool is None or pool.tier is None or not call.defer:
             return None
         engine, sid = call.engine, call.session.id
         promo = (
@@ -201,10 +206,17 @@ class Tiers:
     # ------------------------------------------------------------------
     # Event loop
 
-    async def serve(self, lock: threading.Lock, send: Callable[[bytes, list[bytes]], None]) -> None:
+    async def serve(
+        self,
+        lock: threading.Lock,
+        send: Callable[[bytes, list[bytes]], None],
+        resume: Callable[[bytes, Any], None],
+    ) -> None:
         """Run demotions and queued promotions until cancelled (engines under
-        ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox).
-        Returns at once when no pool has a tier (runtime pools never do)."""
+        ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox),
+        ``resume`` hands a batch run whose promoted operation ran back to the
+        request thread. Returns at once when no pool has a tier (runtime pools
+        never do)."""
         if not any(pool.tier is not None for pool in self._state.pools):
             return
         self._promote_wake.bind()
@@ -218,7 +230,7 @@ class Tiers:
             jobs = self.jobs
             while True:
                 while jobs:
-                    tg.start_soon(self._promote, jobs.popleft(), lock, send)
+                    tg.start_soon(self._promote, jobs.popleft(), lock, send, resume)
                 await self._promote_wake.wait()
 
     async def _demote_all(self, lock: threading.Lock, depth: int) -> None:
@@ -349,6 +361,7 @@ class Tiers:
         job: PendingPromotion,
         lock: threading.Lock,
         send: Callable[[bytes, list[bytes]], None],
+        resume: Callable[[bytes, Any], None],
     ) -> None:
         failed = await anyio.to_thread.run_sync(self._copy_in, job.pool, job.promotion)
         with lock:
@@ -356,7 +369,10 @@ class Tiers:
             assert tier is not None
             tier.promoted(job.promotion, True, failed)
             frames = self._finish(job)
-        send(job.call.identity, frames)
+        if job.batch is None:
+            send(job.call.identity, frames)
+        else:  # its operation ran: the request thread runs the rest of the batch
+            resume(job.call.identity, job.batch)
 
     def _publish(self, pool: ServedPool) -> None:
         """Hand ``pool``'s engine events to the publisher (under the lock)."""

@@ -85,6 +85,7 @@ __all__ = [
     "instance_id",
     "malloc_trim",
     "probe_daemon",
+    "refuse_queued",
     "shutdown",
     "transport_stats",
 ]
@@ -98,6 +99,8 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)
 _NOBLOCK_SNDMORE: Final = _NOBLOCK | int(zmq.SNDMORE)
 #: The Cython socket's own send (zmq.Socket.send is a Python wrapper around it).
 _send: Final = zmq.backend.Socket.send
+#: Most queued messages answered with SHUTTING_DOWN when the request thread stops.
+_REFUSE_AT_EXIT: Final = 10_000
 
 log = structlog.get_logger("kvd.server")
 
@@ -540,6 +543,19 @@ class ReplyQueues:
     def peers(self) -> int:
         """Peers with a probe pending (replies they have not taken yet)."""
         return sum(1 for p in list(self._peers.values()) if p.probes)
+
+
+def refuse_queued(sock: zmq.Socket[bytes], refuse: Callable[[list[bytes]], list[bytes]]) -> None:
+    """Answer what is still queued on the ROUTER ``sock`` with ``refuse(frames)``
+    (SHUTTING_DOWN) rather than silence, up to `_REFUSE_AT_EXIT` messages."""
+    for _ in range(_REFUSE_AT_EXIT):
+        try:
+            ident = sock.recv(_NOBLOCK)
+            frames = sock.recv_multipart(_NOBLOCK)
+        except zmq.Again:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart([ident, *refuse(frames)], _NOBLOCK)
 
 
 def transport_stats(watch: ConnectionWatch, replies: ReplyQueues) -> dict[str, Any]:

@@ -44,6 +44,16 @@ class Agent:
         self.seqs[seq] = s
         return {"table": s.block_table.tolist(), "cached": s.num_cached_tokens}
 
+    def allocate_batch(self, prompts: dict[str, list[int]]) -> dict[str, Any]:
+        """Allocate each ``seq: tokens`` of ``prompts`` in one batch (one round trip)."""
+        with self.client.batch() as b:
+            ops = {s: b.allocate(s, np.asarray(t, dtype=np.int32)) for s, t in prompts.items()}
+        out = {}
+        for seq, op in ops.items():
+            s = self.seqs[seq] = op.result()
+            out[seq] = {"table": s.block_table.tolist(), "cached": s.num_cached_tokens}
+        return out
+
     def fill(self, seq: str, start: int, stop: int, value: float) -> dict[str, Any]:
         """Write ``value`` into K and V of every layer for token positions [start, stop)."""
         pool = self.client.pool

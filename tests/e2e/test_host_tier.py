@@ -48,6 +48,25 @@ def test_an_evicted_prefix_is_a_hit_from_tier_1_with_its_bytes(
     assert tiered.check()["ok"] is True
 
 
+def test_an_allocate_in_a_batch_is_promoted_before_the_batch_is_answered(
+    tiered: KvdProcess, spawn_agent: Callable[[], AgentProcess]
+) -> None:
+    a, b, c = spawn_agent(), spawn_agent(), spawn_agent()
+    for agent in (a, b, c):
+        agent.ok("connect", address=tiered.address)
+    prompt = list(range(500, 500 + 3 * BS + 5))
+    values = compute(a, "req-a", prompt)
+    wait_for(tiered, lambda t: t["demotions"] >= 3)
+    evict_everything(b)
+
+    # A scheduler's step: a fresh prompt, then one whose prefix is in tier 1 only.
+    r = c.ok("allocate_batch", prompts={"fresh": list(range(9000, 9000 + BS)), "req-c": prompt})
+    assert (r["fresh"]["cached"], r["req-c"]["cached"]) == (0, 3 * BS)
+    assert c.ok("read", seq="req-c", start=0, stop=3 * BS)["values"] == values[: 3 * BS]
+    assert tiered.stats()["tiers"]["default"]["promotions"] == 3
+    assert tiered.check()["ok"] is True
+
+
 def test_a_prefix_partly_in_the_pool_continues_into_the_tier(
     tiered: KvdProcess, spawn_agent: Callable[[], AgentProcess]
 ) -> None:

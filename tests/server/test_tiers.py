@@ -14,7 +14,7 @@ from kvd_client import wire
 from kvd_client.wire.hashing import DEFAULT_HASH_SEED, BlockHasher
 
 from kvd.config import load_config
-from kvd.server.dispatch import Dispatcher
+from kvd.server.dispatch import BatchRun, Dispatcher
 from kvd.server.pools import Pools
 from kvd.server.sessions import SessionTable
 
@@ -49,6 +49,8 @@ class TierHarness:
         )
         self.lock = threading.Lock()
         self.sent: list[tuple[bytes, list[bytes]]] = []
+        #: Batch runs handed back by the loop (the daemon's request thread goes on with them).
+        self.resumed: list[tuple[bytes, BatchRun]] = []
         self._ids = iter(range(1, 1 << 30))
         self.call(
             wire.HelloRequest(id=0, version=wire.PROTOCOL_VERSION, pool="default", name="t", pid=1)
@@ -71,7 +73,12 @@ class TierHarness:
 
         async def run() -> None:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self.d.tiers.serve, self.lock, lambda *sent: self.sent.append(sent))
+                tg.start_soon(
+                    self.d.tiers.serve,
+                    self.lock,
+                    lambda *sent: self.sent.append(sent),
+                    lambda *run: self.resumed.append(run),
+                )
                 with anyio.fail_after(BOUND_S):
                     while not done():
                         await anyio.sleep(0.005)
@@ -111,7 +118,9 @@ def test_a_prefix_in_the_tier_is_answered_after_its_promotion(th: TierHarness) -
     assert th.tier["promotions"] == 3
 
 
-def test_an_allocate_in_a_batch_matches_the_pool_only(th: TierHarness) -> None:
+def test_an_allocate_in_a_batch_answered_in_one_go_matches_the_pool_only(
+    th: TierHarness,
+) -> None:
     th.in_tier_only(PROMPT)
     frames = wire.encode_batch(9, [wire.AllocateRequest(id=0, seq="b", tokens=PROMPT)])
     with th.lock:
@@ -119,6 +128,59 @@ def test_an_allocate_in_a_batch_matches_the_pool_only(th: TierHarness) -> None:
     assert isinstance(reply, wire.OkReply)
     assert reply.result["results"][0]["r"]["cached"] == 0
     assert not th.d.tiers.jobs
+
+
+def _paused_batch(th: TierHarness) -> list[bytes] | BatchRun:
+    """A batch of three, its second op an allocate of a prefix in the tier only."""
+    th.in_tier_only(PROMPT)
+    ops: list[wire.Request] = [
+        wire.AllocateRequest(id=0, seq="x", tokens=np.arange(9000, 9000 + BS, dtype=np.int32)),
+        wire.AllocateRequest(id=0, seq="b", tokens=PROMPT),
+        wire.CommitRequest(id=0, seq="x"),
+    ]
+    with th.lock:
+        return th.d.handle_sliced(b"A", wire.encode_batch(9, ops))
+
+
+def _finish(th: TierHarness) -> list[dict[str, Any]]:
+    """Serve until the loop hands the run back, then run the rest; its results."""
+    th.serve_until(lambda: bool(th.resumed))
+    ((who, run),) = th.resumed
+    assert who == b"A" and not run.paused
+    with th.lock:
+        frames = run.step()
+        while frames is None:
+            frames = run.step()
+    reply = wire.decode_reply(frames)
+    assert isinstance(reply, wire.OkReply) and reply.id == 9
+    results: list[dict[str, Any]] = reply.result["results"]
+    return results
+
+
+def test_a_batch_run_in_slices_waits_for_its_allocates_promotion(th: TierHarness) -> None:
+    assert _paused_batch(th) == []  # paused at its second op: nothing is sent yet
+    assert th.d.tiers.jobs
+    first, promoted, third = _finish(th)
+    assert first["ok"] and first["r"]["cached"] == 0
+    assert promoted["ok"] and promoted["r"]["cached"] == 3 * BS
+    assert third["ok"] and third["r"]["committed"] == BS  # ran after the promotion
+    assert th.tier["promotions"] == 3 and not th.sent
+    th.pools["default"].engine.check_invariants()
+
+
+def test_a_batch_whose_session_closed_while_it_waited_gets_session_lost(
+    th: TierHarness,
+) -> None:
+    assert _paused_batch(th) == []
+    with th.lock:
+        session = th.d.state.sessions.peek(b"A")
+        assert session is not None
+        th.d.handshake.close(session, "goodbye")
+    first, promoted, third = _finish(th)
+    assert first["ok"]
+    assert (promoted["code"], third["code"]) == ("SESSION_LOST", "SESSION_LOST")
+    th.pools["default"].engine.check_invariants()
+    assert th.pools["default"].engine.stats().sessions == 0
 
 
 def test_a_session_closed_during_its_promotion_gets_session_lost(th: TierHarness) -> None:
