@@ -4,9 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs clean
+.PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs openssl clean
 
-$(STAMP): pyproject.toml setup.py client/kvd_client/wire/_keys.c
+$(STAMP): pyproject.toml setup.py client/kvd_client/wire/_keys.c | openssl
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: any other version downloads several GB.
@@ -35,6 +35,11 @@ imports: $(STAMP)
 
 unit: $(STAMP) redis ibverbs
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+## openssl: a C compiler and OpenSSL's headers for the C block hasher (setup.py); apt where missing
+openssl:
+	{ command -v cc >/dev/null && test -f /usr/include/openssl/sha.h; } || \
+		{ apt-get update -qq && apt-get install -y -qq gcc libssl-dev; }
 
 ## redis: the redis-server the remote tier's tests start (on a free loopback port); no PyPI wheel ships it, so apt where missing
 redis:
