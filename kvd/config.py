@@ -246,6 +246,10 @@ class AdmissionConfig:
         )
 
 
+#: Most tier blocks per pool block of a runtime pool (a bound on a typo, not a tuning).
+_MAX_TIER_FACTOR: Final = 64
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryConfig:
     """Node-wide memory settings."""
@@ -264,6 +268,9 @@ class MemoryConfig:
     runtime_pool_max_bytes: int = field(default=8 << 30, metadata=RELOAD)
     #: Backend of a runtime pool whose hello names none.
     runtime_pool_backend: str = field(default="shm", metadata=RELOAD)
+    #: Host tier of each runtime pool, in tier blocks per pool block (0: none):
+    #: a pool of N blocks gets a tier of factor * N, budgeted with it.
+    runtime_pool_tier_factor: int = 0
 
     def __post_init__(self) -> None:
         _require(self.budget_bytes >= 0, "budget_bytes", "must be >= 0 (0 = unlimited)")
@@ -279,6 +286,11 @@ class MemoryConfig:
             self.runtime_pool_backend in BACKENDS,
             "runtime_pool_backend",
             f"must be one of {list(BACKENDS)}",
+        )
+        _require(
+            0 <= self.runtime_pool_tier_factor <= _MAX_TIER_FACTOR,
+            "runtime_pool_tier_factor",
+            f"must be between 0 and {_MAX_TIER_FACTOR}",
         )
 
 
@@ -364,12 +376,15 @@ class PoolConfig:
         return PoolLayout(**{key: getattr(self, key) for key in _LAYOUT_KEYS})
 
     @classmethod
-    def of_layout(cls, name: str, layout: PoolLayout, *, backend: str, device: int) -> PoolConfig:
+    def of_layout(
+        cls, name: str, layout: PoolLayout, *, backend: str, device: int, tier_blocks: int = 0
+    ) -> PoolConfig:
         """The config of pool ``name`` for ``layout`` (ConfigError when it is not valid)."""
         return cls(
             name=name,
             backend=backend,
             device=device,
+            tier_blocks=tier_blocks,
             **{key: getattr(layout, key) for key in _LAYOUT_KEYS},
         )
 

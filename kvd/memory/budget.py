@@ -242,19 +242,20 @@ class MemoryBudget:
         return holding.nbytes
 
     def plan(
-        self, requests: Sequence[PoolRequest], free: Mapping[str, int]
+        self, requests: Sequence[PoolRequest], free: Mapping[str, int], *, held: int = 0
     ) -> list[BudgetDecision]:
         """Decide a whole configuration before allocating any of it. Changes nothing.
 
         Requests are decided in order, each seeing the free bytes of its place
         and the held bytes as the earlier fitting requests would leave them,
         so a daemon can refuse at startup, listing every pool that does not
-        fit, instead of failing halfway through allocating. Raises KeyError
-        when ``free`` lacks a request's place, ValueError on a repeated or
-        already held pool name.
+        fit, instead of failing halfway through allocating. ``held``: bytes
+        held under the cap besides this budget's own (pools made before).
+        Raises KeyError when ``free`` lacks a request's place, ValueError on a
+        repeated or already held pool name.
         """
         left = dict(free)
-        held = self.held_bytes
+        held += self.held_bytes
         seen: set[str] = set()
         decisions: list[BudgetDecision] = []
         for req in requests:

@@ -132,7 +132,9 @@ class Dispatcher:
         self.info = Info(self.state)
         self._pending: list[PendingHello] = []
         self.tiers = Tiers(self.state, on_events, self.finish_promotion)
-        if any(p.tier_blocks or p.remote_tier for p in config.pools):  # runtime pools have none
+        if config.memory.runtime_pool_tier_factor or any(
+            p.tier_blocks or p.remote_tier for p in config.pools
+        ):
             self.info.sections["tiers"] = self.tiers.stats
         limits = RequestLimits(sec.max_tokens_per_request, sec.max_sequences_per_session)
         seq = SequenceHandlers(limits, self.tiers)

@@ -14,7 +14,7 @@ method is called under the request lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvd_client import wire
@@ -30,7 +30,7 @@ from kvd.errors import (
     StartupError,
 )
 from kvd.memory import BACKENDS, PoolMemory, backend_capacity, create_pool_memory
-from kvd.memory.budget import MemoryBudget, PoolRequest, decide, format_bytes
+from kvd.memory.budget import BudgetDecision, MemoryBudget, PoolRequest, format_bytes
 from kvd.memory.cuda import CudaAllocation
 from kvd.memory.cuda_tier import PinnedHostTier
 from kvd.memory.mooncake import MooncakeTier
@@ -124,11 +124,18 @@ class Pools:
 
     def check_budget(self) -> None:
         """Refuse the configured pool set before allocating any of it (StartupError)."""
+        refused = [d.message for d in self._plan(self.config.pools) if not d.ok]
+        if refused:
+            raise StartupError("; ".join(refused))
+
+    def _plan(self, pools: Sequence[PoolConfig], held: int = 0) -> list[BudgetDecision]:
+        """Would ``pools`` (each with its host tier) fit the memory that is there
+        and the node budget, ``held`` bytes being taken already? (blocking reads)"""
         mem = self.config.memory
         budget = MemoryBudget(headroom_bytes=mem.headroom_bytes, cap_bytes=mem.budget_bytes or None)
         free: dict[str, int] = {}
         requests = []
-        for pool in self.config.pools:
+        for pool in pools:
             cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
             place = f"{pool.backend} ({cap.where})"
             free[place] = cap.bytes
@@ -138,9 +145,7 @@ class Pools:
                 size = tier_layout(pool.layout, pool.tier_blocks).total_bytes
                 free[f"shm ({host.where})"] = host.bytes
                 requests.append(PoolRequest(f"{pool.name} tier 1", f"shm ({host.where})", size))
-        refused = [d.message for d in budget.plan(requests, free) if not d.ok]
-        if refused:
-            raise StartupError("; ".join(refused))
+        return budget.plan(requests, free, held=held)
 
     def create(self, pool: PoolConfig, *, runtime: bool = False) -> ServedPool:
         """Make ``pool``'s memory and engine (blocking; DaemonError from the backend)."""
@@ -271,7 +276,11 @@ class Pools:
             )
         try:
             config = PoolConfig.of_layout(
-                req.pool, layout, backend=backend, device=0 if req.device is None else req.device
+                req.pool,
+                layout,
+                backend=backend,
+                device=0 if req.device is None else req.device,
+                tier_blocks=mem.runtime_pool_tier_factor * layout.num_blocks,
             )
         except ConfigError as exc:
             raise RequestError(wire.Code.INVALID, f"pool {exc.key}: {exc.message}") from None
@@ -304,26 +313,16 @@ class Pools:
         backend cannot run on this host (no CUDA), INVALID for a device that
         does not exist. The caller passes a refusal to `abandon`.
         """
-        mem = self.config.memory
         held = sum(p.reserved_bytes for p in self._pools.values())
         try:
-            cap = backend_capacity(pool.backend, shm_dir=mem.shm_dir, device=pool.device)
-            decision = decide(
-                pool.name,
-                f"{pool.backend} ({cap.where})",
-                pool.layout.total_bytes,
-                cap.bytes,
-                headroom=mem.headroom_bytes,
-                cap=mem.budget_bytes or None,
-                held=held,
-            )
-            if not decision.ok:
-                code = (
-                    wire.Code.OUT_OF_BLOCKS
-                    if decision.limit == "free"
-                    else wire.Code.QUOTA_EXCEEDED
-                )
-                return PoolRefusal(code, decision.message)
+            for decision in self._plan([pool], held):  # the pool, then its tier
+                if not decision.ok:
+                    code = (
+                        wire.Code.OUT_OF_BLOCKS
+                        if decision.limit == "free"
+                        else wire.Code.QUOTA_EXCEEDED
+                    )
+                    return PoolRefusal(code, decision.message)
             return self.create(pool, runtime=True)
         except DaemonError as exc:
             return PoolRefusal(_refusal_code(exc), str(exc))

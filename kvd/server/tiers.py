@@ -215,16 +215,18 @@ class Tiers:
         """Run demotions and queued promotions until cancelled (engines under
         ``lock``); ``send`` sends a promoted allocate's reply (the loop's outbox),
         ``resume`` hands a batch run whose promoted operation ran back to the
-        request thread. Returns at once when no pool has a tier (runtime pools
-        never do)."""
-        if not any(pool.tier is not None for pool in self._state.pools):
+        request thread. Returns at once when no pool has a tier and runtime pools
+        get none (``memory.runtime_pool_tier_factor``)."""
+        runtime = 1 if self._state.config.memory.runtime_pool_tier_factor else 0
+        depth = max([runtime, *(len(chain(pool)) for pool in self._state.pools)])
+        if not depth:
             return
         self._promote_wake.bind()
         for wake in self._demote_wakes:
             wake.bind()
         async with anyio.create_task_group() as tg:
-            for depth in range(max(len(chain(pool)) for pool in self._state.pools)):
-                tg.start_soon(self._demote_all, lock, depth)
+            for level in range(depth):
+                tg.start_soon(self._demote_all, lock, level)
             if any(self._remote(pool) for pool in self._state.pools):
                 tg.start_soon(self._learn_all, lock)
             jobs = self.jobs

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,46 @@ def test_concurrent_creators_of_one_pool_share_it(kvd_daemon: KvdProcess) -> Non
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_runtime_pool_gets_a_host_tier_of_the_configured_factor(start_kvd: StartKvd) -> None:
+    daemon = start_kvd(overrides={"memory.runtime_pool_tier_factor": "4"})
+    small = PoolLayout(**(LAYOUT.to_dict() | {"num_blocks": 8}))
+    prompt = np.arange(3 * 16 + 1, dtype=np.int32)
+    with Client.connect(daemon.address, pool="rt-tier", layout=small, create=True) as kv:
+        seq = kv.allocate("a", prompt)
+        for i, layer in enumerate(kv.pool.np_layers()):
+            layer[:, seq.block_table] = i + 1
+        seq.commit()
+        seq.free()
+        deadline = time.monotonic() + 30
+        while daemon.stats()["tiers"]["rt-tier"]["demotions"] < 3:
+            assert time.monotonic() < deadline, "the tier never got the committed blocks"
+            time.sleep(0.01)
+        kv.allocate("other", np.arange(5000, 5000 + 8 * 16, dtype=np.int32)).free()  # evicts all
+
+        again = kv.allocate("b", prompt)
+        assert again.num_cached_tokens == 3 * 16
+        for i, layer in enumerate(kv.pool.np_layers()):
+            assert (layer[:, again.block_table[:3]] == i + 1).all()
+        again.free()
+    tier = daemon.stats()["tiers"]["rt-tier"]
+    assert (tier["capacity"], tier["promotions"], tier["errors"]) == (32, 3, 0)
+    assert daemon.check()["ok"] is True
+
+
+def test_a_runtime_pool_whose_tier_does_not_fit_is_refused(start_kvd: StartKvd) -> None:
+    from kvd.memory.tier import tier_layout
+
+    small = PoolLayout(**(LAYOUT.to_dict() | {"num_blocks": 8}))
+    probe = start_kvd(overrides={"memory.runtime_pool_tier_factor": "4"})
+    held = probe.stats()["pools"]["default"]["bytes"]
+    probe.stop()
+    # Room for the pool under the node's cap, not for its tier as well.
+    budget = held + small.total_bytes + tier_layout(small, 32).total_bytes - 1
+    daemon = start_kvd(
+        overrides={"memory.runtime_pool_tier_factor": "4", "memory.budget_bytes": str(budget)}
+    )
+    with pytest.raises(QuotaExceeded, match="rt-tier tier 1"):
+        Client.connect(daemon.address, pool="rt-tier", layout=small, create=True)
+    assert set(_pools(daemon)) == {"default"}
