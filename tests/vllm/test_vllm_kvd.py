@@ -5,7 +5,9 @@ blocks into kvd; process B, a separate ``LLM`` with its own (empty) KV cache,
 loads the prefix from kvd and computes only the tail. B's greedy output
 equals A's and a cold run's (no connector), token for token. Every hold is
 gone afterwards (kvd's stats), and a client expecting kvd's own layout is
-refused the pool.
+refused the pool. With the prefix then evicted from the pool, a third
+process loads it from the pool's host tier (``memory.runtime_pool_tier_factor``)
+with the same output.
 """
 
 from __future__ import annotations
@@ -69,8 +71,32 @@ def _run(model: Any, prompts: list[list[int]], **kwargs: Any) -> Any:
     )
 
 
+#: kvd's runtime pools get a host tier of 4x their blocks in these tests.
+TIERED = {"memory.runtime_pool_tier_factor": "4"}
+
+
+def _tier_stats(address: str, pool: str) -> dict[str, Any]:
+    with Client.connect(address, pool=None) as kv:
+        tier: dict[str, Any] = kv.stats()["tiers"][pool]
+        return tier
+
+
+def _evict_from_the_pool(address: str, pool: str) -> None:
+    """Once the tier has every cached block, fill the whole pool with a fresh prompt."""
+    deadline = time.monotonic() + 60
+    with Client.connect(address, pool=pool) as kv:
+        cached = kv.stats()["blocks"][pool]["evictable"]
+        while _tier_stats(address, pool)["demotions"] < cached:
+            assert time.monotonic() < deadline, _tier_stats(address, pool)
+            time.sleep(0.1)
+        assert kv.layout is not None
+        fresh = prompt_tokens(kv.layout.num_blocks * kv.layout.block_size, salt=99)
+        kv.allocate("evict", fresh).free()
+
+
 @pytest.mark.timeout(900)
-def test_a_second_process_loads_the_prefix_from_kvd(kvd_daemon: Any) -> None:
+def test_a_second_process_loads_the_prefix_from_kvd(start_kvd: Any) -> None:
+    kvd_daemon = start_kvd(overrides=TIERED)
     model = tiny_llama(SPEC)
     prompt = prompt_tokens(PREFIX) + prompt_tokens(9, salt=1)
     config = kvd_connector(kvd_daemon.address)
@@ -104,6 +130,17 @@ def test_a_second_process_loads_the_prefix_from_kvd(kvd_daemon: Any) -> None:
         kvd_own = dataclasses.replace(kv.layout, order="layer_major", format="")
     with pytest.raises(LayoutMismatch, match="layout differs"):
         Client.connect(kvd_daemon.address, pool=pool, layout=kvd_own)
+
+    # Evicted from the pool, the prefix comes back from its host tier.
+    _evict_from_the_pool(kvd_daemon.address, pool)
+    assert _pool_stats(kvd_daemon.address)["blocks"]["evictable"] == 0
+    t_out = _run(model, [prompt], kv_transfer_config=config).result()
+    (rt,) = t_out["requests"]
+    assert rt["output_token_ids"] == ra["output_token_ids"]
+    assert rt["num_cached_tokens"] == PREFIX, rt
+    assert f"loads {PREFIX} tokens from kvd" in t_out["stderr"]
+    tier = _tier_stats(kvd_daemon.address, pool)
+    assert tier["promotions"] >= PREFIX // BLOCK_SIZE and tier["errors"] == 0, tier
 
 
 @pytest.mark.timeout(900)
