@@ -238,3 +238,32 @@ def kill_once_holding(run: VllmRun, holds: Callable[[], int], timeout: float = 2
 def prompt_tokens(n: int, salt: int = 0, vocab: int = LlamaSpec.vocab_size) -> list[int]:
     """``n`` deterministic token ids in ``[3, vocab)`` (0-2 are pad/bos/eos)."""
     return [3 + (i * 7919 + salt * 104729) % (vocab - 3) for i in range(n)]
+
+
+#: A daemon whose runtime pools get a host tier of 4x their blocks (``start_kvd``'s overrides).
+TIERED = {"memory.runtime_pool_tier_factor": "4"}
+
+
+def tier_stats(address: str, pool: str) -> dict[str, Any]:
+    """The ``tiers`` stats of ``pool``'s host tier."""
+    from kvd_client import Client
+
+    with Client.connect(address, pool=None) as kv:
+        tier: dict[str, Any] = kv.stats()["tiers"][pool]
+        return tier
+
+
+def evict_from_the_pool(address: str, pool: str) -> None:
+    """Once the tier has every cached block of ``pool``, fill the whole pool with a
+    fresh prompt (a kvd client's allocate), so that nothing cached is left in it."""
+    from kvd_client import Client
+
+    deadline = time.monotonic() + 60
+    with Client.connect(address, pool=pool) as kv:
+        cached = kv.stats()["blocks"][pool]["evictable"]
+        while tier_stats(address, pool)["demotions"] < cached:
+            assert time.monotonic() < deadline, tier_stats(address, pool)
+            time.sleep(0.1)
+        assert kv.layout is not None
+        fresh = prompt_tokens(kv.layout.num_blocks * kv.layout.block_size, salt=99)
+        kv.allocate("evict", fresh).free()

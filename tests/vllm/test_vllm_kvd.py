@@ -26,7 +26,16 @@ from kvd_client import Client
 from kvd_client.errors import LayoutMismatch
 from kvd_client.integrations.vllm_plan import model_digest
 
-from tests.vllm.support import LlamaSpec, kill_once_holding, prompt_tokens, start_vllm, tiny_llama
+from tests.vllm.support import (
+    TIERED,
+    LlamaSpec,
+    evict_from_the_pool,
+    kill_once_holding,
+    prompt_tokens,
+    start_vllm,
+    tier_stats,
+    tiny_llama,
+)
 
 PREFIX = 4096
 BLOCK_SIZE = 32
@@ -71,29 +80,6 @@ def _run(model: Any, prompts: list[list[int]], **kwargs: Any) -> Any:
     )
 
 
-#: kvd's runtime pools get a host tier of 4x their blocks in these tests.
-TIERED = {"memory.runtime_pool_tier_factor": "4"}
-
-
-def _tier_stats(address: str, pool: str) -> dict[str, Any]:
-    with Client.connect(address, pool=None) as kv:
-        tier: dict[str, Any] = kv.stats()["tiers"][pool]
-        return tier
-
-
-def _evict_from_the_pool(address: str, pool: str) -> None:
-    """Once the tier has every cached block, fill the whole pool with a fresh prompt."""
-    deadline = time.monotonic() + 60
-    with Client.connect(address, pool=pool) as kv:
-        cached = kv.stats()["blocks"][pool]["evictable"]
-        while _tier_stats(address, pool)["demotions"] < cached:
-            assert time.monotonic() < deadline, _tier_stats(address, pool)
-            time.sleep(0.1)
-        assert kv.layout is not None
-        fresh = prompt_tokens(kv.layout.num_blocks * kv.layout.block_size, salt=99)
-        kv.allocate("evict", fresh).free()
-
-
 @pytest.mark.timeout(900)
 def test_a_second_process_loads_the_prefix_from_kvd(start_kvd: Any) -> None:
     kvd_daemon = start_kvd(overrides=TIERED)
@@ -132,14 +118,14 @@ def test_a_second_process_loads_the_prefix_from_kvd(start_kvd: Any) -> None:
         Client.connect(kvd_daemon.address, pool=pool, layout=kvd_own)
 
     # Evicted from the pool, the prefix comes back from its host tier.
-    _evict_from_the_pool(kvd_daemon.address, pool)
+    evict_from_the_pool(kvd_daemon.address, pool)
     assert _pool_stats(kvd_daemon.address)["blocks"]["evictable"] == 0
     t_out = _run(model, [prompt], kv_transfer_config=config).result()
     (rt,) = t_out["requests"]
     assert rt["output_token_ids"] == ra["output_token_ids"]
     assert rt["num_cached_tokens"] == PREFIX, rt
     assert f"loads {PREFIX} tokens from kvd" in t_out["stderr"]
-    tier = _tier_stats(kvd_daemon.address, pool)
+    tier = tier_stats(kvd_daemon.address, pool)
     assert tier["promotions"] >= PREFIX // BLOCK_SIZE and tier["errors"] == 0, tier
 
 

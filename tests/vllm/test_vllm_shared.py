@@ -7,7 +7,9 @@ output equals a cold run's, and noise written into those blocks changes it.
 Publication waits for the step's output (a manager-level test that a
 schedule-time publish fails). Processes running at once over a pool smaller
 than their prompts (evictions) all produce cold outputs, and a SIGKILLed
-one's holds and blocks come back while another runs on.
+one's holds and blocks come back while another runs on. With the prefix
+evicted from the pool, a new process gets it back from the pool's host tier
+(``memory.runtime_pool_tier_factor``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from tests.vllm.support import (
+    TIERED,
     LlamaSpec,
+    evict_from_the_pool,
     kill_once_holding,
     kvd_shared,
     prompt_tokens,
     start_vllm,
+    tier_stats,
     tiny_llama,
 )
 
@@ -109,7 +114,8 @@ def _noise(address: str, name: str, tokens: list[int]) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_a_second_process_reads_the_prefix_in_place(kvd_daemon: Any) -> None:
+def test_a_second_process_reads_the_prefix_in_place(start_kvd: Any) -> None:
+    kvd_daemon = start_kvd(overrides=TIERED)
     model = tiny_llama(SPEC)
     prompt = prompt_tokens(PREFIX) + prompt_tokens(9, salt=1)
     a = _run(model, [prompt], kvd_daemon.address, 512)
@@ -133,6 +139,16 @@ def test_a_second_process_reads_the_prefix_in_place(kvd_daemon: Any) -> None:
     (rn,) = _run(model, [prompt], kvd_daemon.address, 512).result()["requests"]
     assert rn["num_cached_tokens"] == PREFIX, rn
     assert rn["output_token_ids"] != rc["output_token_ids"]
+
+    # Evicted from the pool, the prefix comes back from its host tier, whose copy
+    # was taken when A published it, before the noise: cold's output again.
+    evict_from_the_pool(kvd_daemon.address, name)
+    t = _run(model, [prompt], kvd_daemon.address, 512).result()
+    (rt,) = t["requests"]
+    assert rt["num_cached_tokens"] == PREFIX, (rt, _kvd_lines(t["stderr"]))
+    assert rt["output_token_ids"] == rc["output_token_ids"]
+    tier = tier_stats(kvd_daemon.address, name)
+    assert tier["promotions"] >= PREFIX // BLOCK_SIZE and tier["errors"] == 0, tier
 
 
 def _manager(address: str, num_blocks: int) -> tuple[KVCacheManager, KvdBlockPool, Client]:
