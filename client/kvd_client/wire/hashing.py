@@ -55,7 +55,7 @@ import hashlib
 import importlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Final, Literal
+from typing import Final, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +70,8 @@ __all__ = [
     "root_digest",
 ]
 
+#: What a C loop returns: the keys as a list, or as one bytes object.
+_Out = TypeVar("_Out", list[bytes], bytes)
 _c_keys: Callable[..., list[bytes] | None] | None
 _c_blob: Callable[..., bytes | None] | None
 try:
@@ -260,15 +262,7 @@ class BlockHasher:
         parent, extras, block0_extras = self._check(parent, first_block, namespace, adapter)
         if _c_keys is None:
             return self._python_keys(tokens, parent, extras, block0_extras)
-        # Written out, not shared with keys_blob: a Python call costs ~0.1 µs, most of
-        # what a block costs in C.
-        head, bs = self._array_head, self.block_size
-        direct = tokens if type(tokens) in _C_DIRECT else _c_input(tokens)
-        out = _c_keys(direct, bs, parent, head, extras, block0_extras)
-        if out is None:
-            out = _c_keys(_checked_tokens(tokens), bs, parent, head, extras, block0_extras)
-            assert out is not None, "the C loop takes any checked token ids"
-        return out
+        return self._in_c(_c_keys, tokens, parent, extras, block0_extras)
 
     def keys_blob(
         self,
@@ -283,11 +277,23 @@ class BlockHasher:
         parent, extras, block0_extras = self._check(parent, first_block, namespace, adapter)
         if _c_blob is None:
             return b"".join(self._python_keys(tokens, parent, extras, block0_extras))
+        return self._in_c(_c_blob, tokens, parent, extras, block0_extras)
+
+    def _in_c(
+        self,
+        loop: Callable[..., _Out | None],
+        tokens: npt.NDArray[np.integer] | Sequence[int],
+        parent: bytes,
+        extras: bytes,
+        block0_extras: bytes | None,
+    ) -> _Out:
+        """The C ``loop``'s keys of ``tokens``; what it does not take as they are
+        (None) is checked (ValueError) and converted, then given to it again."""
         head, bs = self._array_head, self.block_size
         direct = tokens if type(tokens) in _C_DIRECT else _c_input(tokens)
-        out = _c_blob(direct, bs, parent, head, extras, block0_extras)
+        out = loop(direct, bs, parent, head, extras, block0_extras)
         if out is None:
-            out = _c_blob(_checked_tokens(tokens), bs, parent, head, extras, block0_extras)
+            out = loop(_checked_tokens(tokens), bs, parent, head, extras, block0_extras)
             assert out is not None, "the C loop takes any checked token ids"
         return out
 
