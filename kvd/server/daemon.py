@@ -508,7 +508,7 @@ class Daemon:
         tcp_pids = curve and self.config.server.tcp_pid_watch
         hello = bytes((wire.Kind.HELLO,))
         watch = self._watch
-        heard, said_hello = watch.heard, watch.hello
+        heard, note = watch.heard, watch.note
         srcfd = int(zmq.SRCFD)
         deliver = self._deliver
         copy_max = _COPY_BODY_MAX
@@ -559,7 +559,10 @@ class Daemon:
                 continue
             # The connection spoke: a complete message (the memory guard's test).
             fd = ident.get(srcfd)
-            heard[fd] = watch.tick
+            seen = heard.get(fd)
+            if seen is None or seen.identity != identity:  # a new connection at fd
+                seen = note(fd, identity)
+            seen.tick = watch.tick
             self._handled += 1
             peer = user_id = None
             if frames[0] in vetted:
@@ -570,7 +573,7 @@ class Daemon:
                     with contextlib.suppress(zmq.ZMQError):
                         user_id = str(ident.get("User-Id")) or None
                 if frames[0] == hello:
-                    said_hello(fd)
+                    seen.hello = True
                     if peer is None and tcp_pids:
                         # tcp: its peer's pid is looked for in a worker thread first
                         # (~10 ms of /proc), then the loop has the hello handled.

@@ -31,10 +31,11 @@ What libzmq cannot bound, watched from outside (issue #14):
 
 - `ConnectionWatch`: the ROUTER's accepted connections by descriptor (its
   monitor's ACCEPTED and DISCONNECTED/CLOSED events), which of them sent a
-  complete message lately (``Frame.get(SRCFD)`` in the request thread) and
-  which sent a hello. It picks the connections to `shutdown`: those that sent
-  no hello within ``server.hello_timeout_ms`` (each holds a descriptor, and
-  libzmq aborts the process on EMFILE in an ipc accept), and, once the
+  complete message lately (``Frame.get(SRCFD)`` in the request thread, noted
+  with the connection's inode) and which sent a hello. It picks the
+  connections to `shutdown`: those that sent no hello within
+  ``server.hello_timeout_ms`` (each holds a descriptor, and libzmq aborts
+  the process on EMFILE in an ipc accept), and, once the
   daemon's anonymous memory grew past ``server.memory_guard_bytes``, those
   that sent no complete message while it grew. The second is an interim
   bound: libzmq 4.3.5 buffers an unfinished multipart message without limit
@@ -78,6 +79,7 @@ __all__ = [
     "MAXMSGSIZE",
     "MONITOR_EVENTS",
     "ConnectionWatch",
+    "Heard",
     "ReplyQueues",
     "anon_rss",
     "bind_router",
@@ -282,18 +284,36 @@ class _Connection:
     shut: str | None = None
 
 
+@dataclass(slots=True)
+class Heard:
+    """What the request thread heard from the connection at one descriptor.
+
+    Noted with the connection's routing id and socket inode, so that what an
+    earlier connection at the same number said is never taken for the
+    current one's (descriptors are reused at once, and the monitor's CLOSED
+    for the old connection may reach the loop after the new one spoke).
+    """
+
+    identity: bytes
+    inode: int
+    #: ``ConnectionWatch.tick`` of its last complete message.
+    tick: int = -1
+    #: It sent a hello.
+    hello: bool = False
+
+
 class ConnectionWatch:
     """The ROUTER's connections by descriptor, and the ones to shut down.
 
     Fed by the monitor (`accepted`, `closed`, on the event loop) and by the
-    request thread (``heard[fd] = watch.tick`` for every complete message,
-    `hello` for every hello, ``drained``/``waiting`` when its queue is empty,
-    looked for only while ``asking``: plain stores, no lock). The monitor's
-    events reach the loop late, when a descriptor number may already be the
-    next connection's: what the request thread noted is kept unless nothing
-    is at the number, and a hello is noted with its socket's inode.
-    `overdue`, and `memory` then `silent`, say which connections to
-    `shutdown`; ``shut`` counts them by reason.
+    request thread (a `Heard` per descriptor, made by `note` when a new
+    routing id speaks there, its ``tick`` set for every complete message and
+    ``hello`` for a hello; ``drained``/``waiting`` when its queue is empty,
+    looked for only while ``asking``: plain stores, no lock). A `Heard`
+    counts for a connection only with its inode, so the order in which the
+    monitor's events reach the loop does not matter. `overdue`, and
+    `memory` then `silent`, say which connections to `shutdown`; ``shut``
+    counts them by reason.
     """
 
     def __init__(
@@ -306,12 +326,10 @@ class ConnectionWatch:
         self.hello_timeout_s = hello_timeout_s
         self.memory_budget = memory_budget
         self.clock = clock
-        #: Bumped by every `memory` check; what the request thread stores in ``heard``.
+        #: Bumped by every `memory` check; what the request thread stores in ``Heard.tick``.
         self.tick = 0
-        #: Descriptor -> ``tick`` of its last complete message (the request thread's).
-        self.heard: dict[int, int] = {}
-        #: Descriptor -> inode of the connection that sent a hello there (`hello`).
-        self.hellos: dict[int, int] = {}
+        #: Descriptor -> what the request thread heard there (`note`).
+        self.heard: dict[int, Heard] = {}
         #: The request thread found its queue empty at this tick / is blocked on it
         #: now: every complete message that came before has been heard.
         self.drained = 0
@@ -331,11 +349,7 @@ class ConnectionWatch:
         return len(self._open)
 
     def accepted(self, fd: int) -> None:
-        """The monitor's ACCEPTED: ``fd`` is a new connection.
-
-        What the request thread noted for ``fd`` stays: it may already have
-        heard this connection (the event reaches the loop later).
-        """
+        """The monitor's ACCEPTED: ``fd`` is a new connection."""
         try:
             inode = os.fstat(fd).st_ino
         except OSError:  # already gone
@@ -347,26 +361,35 @@ class ConnectionWatch:
         self._open.pop(fd, None)
         try:
             os.fstat(fd)
-        except OSError:  # nothing there: what was noted was that connection's
+        except OSError:  # nothing there: what was heard there is stale
             self.heard.pop(fd, None)
-            self.hellos.pop(fd, None)
 
-    def hello(self, fd: int) -> None:
-        """The connection at ``fd`` sent a hello (request thread; one ``fstat``)."""
-        with contextlib.suppress(OSError):
-            self.hellos[fd] = os.fstat(fd).st_ino
+    def note(self, fd: int, identity: bytes) -> Heard:
+        """A new `Heard` for ``identity`` at ``fd`` (request thread; one ``fstat``)."""
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:  # closed meanwhile: matches no connection
+            inode = -1
+        seen = self.heard[fd] = Heard(identity, inode)
+        return seen
+
+    def _said(self, fd: int, conn: _Connection) -> Heard | None:
+        """What the connection ``conn`` at ``fd`` said (None: nothing yet)."""
+        seen = self.heard.get(fd)
+        return seen if seen is not None and seen.inode == conn.inode else None
 
     def overdue(self) -> list[int]:
         """Connections that sent no hello within ``hello_timeout_s`` of their accept."""
         if self.hello_timeout_s <= 0:
             return []
         deadline = self.clock() - self.hello_timeout_s
-        hellos = self.hellos
-        return [
-            fd
-            for fd, c in self._open.items()
-            if c.shut is None and c.accepted < deadline and hellos.get(fd) != c.inode
-        ]
+        overdue = []
+        for fd, c in self._open.items():
+            if c.shut is None and c.accepted < deadline:
+                seen = self._said(fd, c)
+                if seen is None or not seen.hello:
+                    overdue.append(fd)
+        return overdue
 
     def memory(self, anon: int) -> bool:
         """Note the daemon's anonymous memory, ``anon`` bytes; is it past the budget?
@@ -407,8 +430,12 @@ class ConnectionWatch:
             return []
         if not (self.waiting or self.drained >= calm) and anon <= low + 2 * budget:
             return []
-        heard = self.heard
-        found = [fd for fd, c in self._open.items() if c.shut is None and heard.get(fd, -1) < calm]
+        found = []
+        for fd, c in self._open.items():
+            if c.shut is None:
+                seen = self._said(fd, c)
+                if seen is None or seen.tick < calm:
+                    found.append(fd)
         if not found and not any(c.shut for c in self._open.values()):
             self._low = anon
             self._calm = self.tick

@@ -32,7 +32,7 @@ def test_memory_past_the_budget_names_the_connections_silent_while_it_grew(pair)
     watch.waiting = True  # the request thread has heard everything
     assert not watch.memory(500 * MIB)  # the low-water mark
     assert not watch.memory(540 * MIB)  # within half the budget: calm
-    watch.heard[talker.fileno()] = watch.tick  # a complete message after the calm check
+    watch.note(talker.fileno(), b"t").tick = watch.tick  # a complete message after calm
     assert watch.memory(610 * MIB)
     assert watch.silent(610 * MIB) == [quiet.fileno()]
     assert watch.shutdown([quiet.fileno()], "memory_guard") == 1
@@ -48,7 +48,7 @@ def test_growth_nobody_is_silent_for_re_arms_the_budget(pair) -> None:
     watch.accepted(talker.fileno())
     watch.waiting = True
     watch.memory(500 * MIB)
-    watch.heard[talker.fileno()] = watch.tick
+    watch.note(talker.fileno(), b"talker").tick = watch.tick
     assert watch.memory(700 * MIB)
     assert watch.silent(700 * MIB) == []  # the daemon's own growth
     assert not watch.memory(750 * MIB)  # counted from 700 now
@@ -80,13 +80,33 @@ def test_a_reused_descriptor_is_never_shut(pair) -> None:
         keep.close()
 
 
+def test_what_an_earlier_connection_said_at_the_number_is_not_the_new_ones() -> None:
+    old, old_peer = socket.socketpair()
+    watch = ConnectionWatch(hello_timeout_s=0, memory_budget=100 * MIB)
+    watch.waiting = True
+    watch.memory(500 * MIB)  # calm at this tick
+    fd = old.fileno()
+    watch.note(fd, b"old").tick = watch.tick  # it spoke after the calm check
+    old.close()  # its CLOSED has not reached the loop yet
+    new, new_peer = socket.socketpair()
+    try:
+        if new.fileno() != fd:
+            pytest.skip("the descriptor number was not reused")
+        watch.accepted(fd)  # the new connection: an unfinished message, never heard
+        assert watch.memory(610 * MIB)
+        assert watch.silent(610 * MIB) == [fd]
+    finally:
+        for s in (old_peer, new, new_peer):
+            s.close()
+
+
 def test_hello_deadline_names_connections_without_a_hello(pair) -> None:
     now = [0.0]
     a, b = pair
     watch = ConnectionWatch(hello_timeout_s=1.0, memory_budget=0, clock=lambda: now[0])
     watch.accepted(a.fileno())
     watch.accepted(b.fileno())
-    watch.hello(b.fileno())
+    watch.note(b.fileno(), b"b").hello = True
     now[0] = 1.5
     assert watch.overdue() == [a.fileno()]
     watch.closed(a.fileno())
