@@ -7,8 +7,10 @@ Belady's token hit ratio and each candidate's difference from LRU in points:
 (`cache_policies.EngineAdaptive`, `EngineFrequency`), the others are
 `cache_policies.PROTOTYPES`. A default must not be below LRU anywhere.
 
-Run: ``.venv/bin/python -m bench.cache_compare [--only NAME ...] [--policies NAME ...]``
-(the synthetic trace takes most of the time: about a minute per policy and capacity).
+Run: ``.venv/bin/python -m bench.cache_compare [--only NAME ...] [--policies NAME ...]
+[--sample-offset N]`` (the synthetic trace takes most of the time: about a minute per
+policy and capacity). ``--sample-offset N``: the adaptive shadows sample keys by digest
+bytes N..N+3 instead of the engine's 8..11 (how much the figures hang on the sample).
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--policies", nargs="*", choices=sorted(PROTOTYPES), default=list(PROTOTYPES)
     )
+    parser.add_argument(
+        "--sample-offset",
+        type=int,
+        default=8,
+        help="digest byte where the adaptive shadows' sampling test reads (the engine's: 8)",
+    )
     args = parser.parse_args(argv)
     names = ["adaptive (default)", "frequency", *args.policies]
     print("| trace | capacity | LRU % | Belady % | " + " | ".join(names) + " |")
@@ -68,8 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             lru = run_policy(trace, c, LRU(c)).hit_ratio
             best = simulate_optimum(trace, c).hit_ratio
             cells = [
-                run_policy(trace, c, engine(c, digests)).hit_ratio
-                for engine in (EngineAdaptive, EngineFrequency)
+                run_policy(trace, c, EngineAdaptive(c, digests, args.sample_offset)).hit_ratio,
+                run_policy(trace, c, EngineFrequency(c, digests)).hit_ratio,
             ]
             cells += [run_policy(trace, c, PROTOTYPES[p](c)).hit_ratio for p in args.policies]
             diffs = " | ".join(f"{100 * (h - lru):+.2f}" for h in cells)

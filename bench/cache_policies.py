@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from bench.cache_sim import BLOCK, Outcome, Trace, expand_tokens, mix64
-from kvd.engine.adaptive import _FLAT, Shadows
+from kvd.engine.adaptive import ORDERS, Shadows
 from kvd.engine.frequency import CLASSES, WEIGHT, UseTable
 
 __all__ = [
@@ -383,7 +383,6 @@ class EngineFrequency(Policy):
         super().__init__(capacity)
         self.digests = digests
         self.weight = WEIGHT
-        self.monotone = False
         self.table = UseTable(capacity)
         self.queues: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(CLASSES + 1)]
         self.uses: dict[int, int] = {}
@@ -408,12 +407,8 @@ class EngineFrequency(Policy):
 
     def release(self, keys: Sequence[int]) -> None:
         uses, queues, clock = self.uses, self.queues, self.clock
-        cur = 0
         for k in keys:
-            if self.monotone and uses[k] < cur:
-                uses[k] = cur
-            cur = uses[k]
-            queues[cur][k] = clock
+            queues[uses[k]][k] = clock
 
     def evict(self, n: int) -> None:
         queues = self.queues
@@ -437,27 +432,32 @@ class EngineFrequency(Policy):
 
 class EngineAdaptive(EngineFrequency):
     """kvd's ``eviction = "adaptive"`` (`kvd.engine.adaptive.AdaptivePool`): the
-    same queues, in LRU's order or by uses² as the engine's own `Shadows` decide,
-    fed each request's sampled keys as they are released (tail first)."""
+    same queues, counts lowered along each released chain, in the order of
+    `ORDERS` the engine's own `Shadows` choose, fed each request's sampled keys
+    as they are released (tail first); ``offset`` is where the shadows' sampling
+    test reads the digest (the engine's: 8)."""
 
-    def __init__(self, capacity: int, digests: dict[int, bytes]) -> None:
+    def __init__(self, capacity: int, digests: dict[int, bytes], offset: int = 8) -> None:
         super().__init__(capacity, digests)
-        self.shadows = Shadows(capacity)
-        self.weight = _FLAT
-        self.monotone = True
-
-    def _refer(self, keys: Sequence[int]) -> None:
-        shadows = self.shadows
-        for k in keys:
-            digest = self.digests[k]
-            if shadows.sampled(digest):
-                shadows.refer(digest, self.uses[k], self.clock)
-        lru, weighted = shadows.hits
-        self.weight = WEIGHT if weighted > lru else _FLAT
+        self.shadows = Shadows(capacity, offset)
+        self.order = 0
+        self.weight = ORDERS[0]
 
     def release(self, keys: Sequence[int]) -> None:
+        uses = self.uses
+        low = CLASSES
+        for k in reversed(keys):
+            if uses[k] > low:
+                uses[k] = low
+            else:
+                low = uses[k]
         super().release(keys)
-        self._refer(keys)
+        shadows, digests = self.shadows, self.digests
+        picked = [(d, uses[k]) for k in keys if shadows.sampled(d := digests[k])]
+        if picked:
+            shadows.refer_run(picked, self.clock)
+            self.order = shadows.choose(self.order)
+            self.weight = ORDERS[self.order]
 
 
 #: The candidates measured beside kvd's policies, by name: capacity -> policy.

@@ -18,7 +18,7 @@ process CPU time (the machine is shared; both replays are single threaded):
 - manager only: vLLM's requests get their block hashes precomputed (a lookup hasher
   hands them out); kvd's engine gets its keys the same way (a lookup hasher in place
   of its ``BlockHasher``), so both figures are the managers' own work.
-- kvd is timed with its default eviction policy (``frequency``); one more end-to-end
+- kvd is timed with its default eviction policy (``adaptive``); one more end-to-end
   run per repetition with ``eviction = "lru"`` is shown beside vLLM too.
 - hit ratio (hit tokens / prompt tokens): kvd with ``eviction = "lru"`` beside vLLM:
   the eviction orders match (one free queue, unkeyed blocks first, tail-first

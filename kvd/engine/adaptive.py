@@ -1,4 +1,4 @@
-"""The default eviction policy: `frequency`'s order while it pays, LRU's otherwise.
+"""The default eviction policy: LRU's order, or a use-count order while that hits more.
 
 bench/README.md, "Eviction policies against adversarial workloads", has the
 measurements behind it.
@@ -7,173 +7,302 @@ Counting uses (`kvd.engine.frequency`) gains where shared prefixes keep coming
 back and loses badly where prefixes with many uses stop (a finished
 conversation's prefix outlives the newest turn 64 times over). `AdaptivePool`
 keeps `FrequencyPool`'s queues, stamps and counts, which do not depend on the
-order they are evicted in, and evicts either by age / uses² or by age alone:
-with every weight equal the heads compare by release stamp, the lowest class
-on a tie, which is LRU's order. Which one is decided by a duel of two small
-caches (`Shadows`) fed the same sample of the keys' uses: one LRU, one
-evicting by age / uses², each as large as the pool scaled by the sample
-(SHARDS-style spatial sampling: 1 key in `SAMPLE`, between `MIN_KEYS` and
-`MAX_KEYS` keys). The pool follows the shadow that hit more lately.
+order they are evicted in, and evicts by age * ``ORDERS[order][uses]``: age
+alone (every weight equal: the heads compare by release stamp, the lowest
+class on a tie, which is LRU's order), age / uses² (`frequency`'s) or age /
+uses³ (a small pool against long reuse distances keeps only proven reuse).
+Three small caches (`Shadows`), one per order, are fed the same sample of the
+keys' uses (SHARDS-style spatial sampling: 1 key in `SAMPLE`, between
+`MIN_KEYS` and `MAX_KEYS` keys, each shadow the pool's size scaled by the
+sample); the pool follows the one that hit most lately (`Shadows.choose`).
+
+Counts never rise towards a chain's tail: every use of a block is a use of
+its ancestors, so a higher count below an ancestor's is the sampled
+`UseTable`'s noise, and `AdaptivePool.release` lowers it to the ancestor's.
+That keeps equal weights LRU's order exactly (a chain is released tail first
+at one stamp, and the lowest class goes first on a tie) and helps the
+use-count orders: raising the ancestors instead spread one sampled count over
+a whole chain and cost `frequency`'s gain at the synthetic trace's smallest
+pool.
 
 The shadows see a use when the pool queues it: each keyed block as its holder
 releases it, in the pool's release order (a chain's tail first), so that the
-LRU shadow's order is the pool's LRU order. Fed at match time in chain order
-they evicted a chain head first, which the pool never does: the LRU shadow
-lost hits the pool's LRU keeps, and the duel favoured counts where they lose.
+LRU shadow's order is the pool's LRU order.
 """
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from kvd.engine.block import Block
 from kvd.engine.frequency import CLASSES, WEIGHT, FrequencyPool
 
-__all__ = ["DECAY", "MAX_KEYS", "MIN_KEYS", "SAMPLE", "AdaptivePool", "Shadows"]
+__all__ = [
+    "LEAVE",
+    "MAX_KEYS",
+    "MIN_KEYS",
+    "ORDERS",
+    "RETURN",
+    "SAMPLE",
+    "WINDOW",
+    "AdaptivePool",
+    "Shadows",
+]
 
 #: Keys per shadow: ``num_blocks // SAMPLE`` within [MIN_KEYS, MAX_KEYS] (the
 #: whole pool below MIN_KEYS blocks). More keys see more of the reuses that
 #: tell the orders apart; the bounds keep a small pool's shadows meaningful
-#: and a large one's under 1 MB (about 200 KB at MIN_KEYS, 780 KB at
-#: MAX_KEYS), and at most 1 key in SAMPLE sampled from MIN_KEYS * SAMPLE
-#: blocks up keeps the shadows' cost per block.
+#: and a large one's near 1 MB, and at most 1 key in SAMPLE sampled from
+#: MIN_KEYS * SAMPLE blocks up keeps the shadows' cost per block.
 SAMPLE = 16
 MIN_KEYS = 512
 MAX_KEYS = 2048
-#: Both shadows' hit counts halve every DECAY sampled uses (a window of recent
-#: behaviour; long, so that a burst does not flip the order back and forth).
-DECAY = 65536
+#: Each sampled use scales every hit average by 1 - 1/WINDOW: a window of about
+#: WINDOW sampled uses. Halving the counts every 65,536 uses instead made the
+#: choice hinge on where the halvings fell.
+WINDOW = 32768
+#: Leaving LRU's order takes a lead over LRU's shadow of more than LEAVE
+#: standard deviations of the uses that only one of the two hit (a sign test):
+#: a lead of a few hits is noise that would cost LRU's exact order.
+LEAVE = 2.0
+#: Going back to LRU's order takes LRU's shadow ahead by more than RETURN hits.
+RETURN = 8.0
+#: `Shadows.unit` past this is brought back to 1 (after ~10^6 sampled uses).
+_RESCALE = 1e12
 #: Every weight equal: the heads compare by age alone, LRU's order.
 _FLAT = [0] + [1] * CLASSES
+#: Age / uses³ as integers (840 = lcm(1..8)).
+_CUBED = [0] + [(840 // c) ** 3 for c in range(1, CLASSES + 1)]
+#: The orders by index: LRU's, age / uses², age / uses³.
+ORDERS = (_FLAT, WEIGHT, _CUBED)
+#: 4 digest bytes as a little-endian integer: the sampling test's number.
+_SAMPLE_BYTES = struct.Struct("<I").unpack_from
+#: The classes a weighted shadow's eviction scans, in order.
+_CLASS_RANGE = range(1, CLASSES + 1)
+#: Among shadows with equal hits: LRU's order, then uses³, then uses².
+_PREFER = (0, 2, 1)
 
 
-class Shadows:
-    """An LRU cache and a uses²-weighted cache of ``size`` sampled keys each.
+class _Weighted:
+    """A cache of sampled keys evicting like `FrequencyPool` by age * ``weights[uses]``
+    (`Shadows.refer_run` works on it)."""
 
-    `refer` records one use of a sampled key (a holder's release of it) with
-    its use count in the pool: a hit in a shadow counts for it in
-    ``hits`` (``[lru, weighted]``). The weighted shadow keeps one queue per
-    use count and evicts like `FrequencyPool` (the head oldest in units of
-    uses², the lowest class on a tie), stamped with the pool's clock.
-    O(CLASSES) per sampled use at most.
-    """
+    __slots__ = ("classes", "heads", "weights", "where")
 
-    __slots__ = ("classes", "every", "hits", "lru", "refs", "size", "where")
-
-    def __init__(self, num_blocks: int) -> None:
-        keys = min(MAX_KEYS, max(MIN_KEYS, num_blocks // SAMPLE))
-        self.every = max(1, num_blocks // keys)
-        self.size = max(1, num_blocks // self.every)
-        self.lru: OrderedDict[bytes, None] = OrderedDict()
-        #: classes[c]: the weighted shadow's keys used c times -> their stamp.
+    def __init__(self, weights: list[int]) -> None:
+        self.weights = weights
+        #: classes[c]: the keys used c times -> their stamp (never decreasing).
         self.classes: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(CLASSES + 1)]
-        #: The weighted shadow's keys -> their class.
+        #: heads[c]: the stamp at the head of classes[c] (-1: empty). Kept, not
+        #: looked up per eviction: an OrderedDict's first item takes an iterator.
+        self.heads = [-1] * (CLASSES + 1)
+        #: The keys -> their class.
         self.where: dict[bytes, int] = {}
-        self.hits = [0, 0]
-        self.refs = 0
 
-    def sampled(self, key: bytes) -> bool:
-        """Whether ``key`` is in the sample (a fixed 1/``every`` of the keys, by
-        digest bytes 8..11, which no other sample of the engine reads)."""
-        return int.from_bytes(key[8:12], "little") % self.every == 0
-
-    def refer(self, key: bytes, uses: int, clock: int) -> None:
-        """One use of sampled ``key``, now used ``uses`` times, at ``clock``."""
-        lru, hits = self.lru, self.hits
-        if key in lru:
-            hits[0] += 1
-            lru.move_to_end(key)
-        else:
-            lru[key] = None
-            if len(lru) > self.size:
-                lru.popitem(last=False)
-        where, classes = self.where, self.classes
-        old = where.get(key)
-        if old is not None:
-            hits[1] += 1
-            del classes[old][key]
-        elif len(where) >= self.size:
-            self._evict(clock)
-        where[key] = uses
-        classes[uses][key] = clock
-        self.refs += 1
-        if self.refs >= DECAY:
-            self.refs = 0
-            hits[0] >>= 1
-            hits[1] >>= 1
-
-    def _evict(self, clock: int) -> None:
-        best, score = 0, -1
-        for c in range(1, CLASSES + 1):
-            queue = self.classes[c]
-            if queue:
-                s = (clock + 1 - queue[next(iter(queue))]) * WEIGHT[c]
-                if s > score:
-                    best, score = c, s
-        key, _ = self.classes[best].popitem(last=False)
-        del self.where[key]
-
-    def check(self, problems: list[str]) -> None:
-        """Append what is wrong with the shadows to ``problems``."""
-        if len(self.lru) > self.size or len(self.where) > self.size:
+    def check(self, size: int, problems: list[str]) -> None:
+        """Append what is wrong with this shadow of ``size`` keys to ``problems``."""
+        if len(self.where) > size:
             problems.append("a shadow cache holds more keys than its size")
         if sum(map(len, self.classes)) != len(self.where) or any(
             key not in self.classes[c] for key, c in self.where.items()
         ):
-            problems.append("the weighted shadow's classes and queues disagree")
+            problems.append("a weighted shadow's classes and queues disagree")
+        if self.heads != [next(iter(q.values())) if q else -1 for q in self.classes]:
+            problems.append("a weighted shadow's head stamps are stale")
+
+
+class Shadows:
+    """One cache of ``size`` sampled keys per order of `ORDERS`, and their hits.
+
+    `refer` records one use of a sampled key (a holder's release of it) with
+    its use count in the pool: ``hits[i] / unit`` averages the uses that hit
+    in shadow ``i`` (LRU's, then the weighted ones, which evict like
+    `FrequencyPool` stamped with the pool's clock), ``apart[p] / unit`` those
+    that hit in just one of pair ``p`` (0-1, 0-2, 1-2), both over about
+    `WINDOW` uses. (Each use grows ``unit`` by 1 / (1 - 1/`WINDOW`) instead
+    of scaling six averages down: the same ratios, one multiplication.)
+    O(CLASSES) per sampled use at most.
+    """
+
+    __slots__ = ("apart", "every", "grow", "hits", "lru", "offset", "size", "unit", "weighted")
+
+    def __init__(self, num_blocks: int, offset: int = 8) -> None:
+        #: Where in a digest the sampling test reads its 4 bytes (8: bytes 8..11,
+        #: which no other sample of the engine reads; others for measuring).
+        self.offset = offset
+        keys = min(MAX_KEYS, max(MIN_KEYS, num_blocks // SAMPLE))
+        self.every = max(1, num_blocks // keys)
+        self.size = max(1, num_blocks // self.every)
+        self.lru: OrderedDict[bytes, None] = OrderedDict()
+        self.weighted = [_Weighted(weights) for weights in ORDERS[1:]]
+        self.hits = [0.0] * len(ORDERS)
+        self.apart = [0.0] * 3
+        self.unit = 1.0
+        self.grow = 1 / (1 - 1 / WINDOW)
+
+    def sampled(self, key: bytes) -> bool:
+        """Whether ``key`` is in the sample (a fixed 1/``every`` of the keys, by
+        digest bytes ``offset``..``offset + 3``)."""
+        number: int = _SAMPLE_BYTES(key, self.offset)[0]
+        return number % self.every == 0
+
+    def refer(self, key: bytes, uses: int, clock: int) -> None:
+        """One use of sampled ``key``, now used ``uses`` times, at ``clock``."""
+        self.refer_run(((key, uses),), clock)
+
+    def refer_run(self, run: Iterable[tuple[bytes, int]], clock: int) -> None:
+        """`refer` each (key, uses) of ``run`` in turn, at ``clock`` (one call
+        per released run: its loop holds the shadows in locals)."""
+        lru, size, grow, unit = self.lru, self.size, self.grow, self.unit
+        hits, apart = self.hits, self.apart
+        weighted = [(w.where, w.classes, w.heads, w.weights) for w in self.weighted]
+        now = clock + 1
+        for key, uses in run:
+            a = key in lru
+            if a:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                if len(lru) > size:
+                    lru.popitem(last=False)
+            hit = []
+            for where, classes, heads, weights in weighted:
+                old = where.get(key)
+                if old is not None:
+                    queue = classes[old]
+                    if queue.pop(key) == heads[old]:  # perhaps the head: look again
+                        heads[old] = next(iter(queue.values())) if queue else -1
+                elif len(where) >= size:
+                    # The head oldest in units of weight goes, the lowest class on a tie.
+                    best, score = 0, -1
+                    for c in _CLASS_RANGE:
+                        h = heads[c]
+                        if h >= 0:
+                            t = (now - h) * weights[c]
+                            if t > score:
+                                best, score = c, t
+                    queue = classes[best]
+                    gone, _ = queue.popitem(last=False)
+                    del where[gone]
+                    heads[best] = next(iter(queue.values())) if queue else -1
+                where[key] = uses
+                queue = classes[uses]
+                if not queue:
+                    heads[uses] = clock
+                queue[key] = clock
+                hit.append(old is not None)
+            b, c = hit
+            unit *= grow
+            if unit > _RESCALE:
+                self.unit = unit
+                self._rescale()
+                hits, apart, unit = self.hits, self.apart, 1.0
+            if a or b or c:
+                if a:
+                    hits[0] += unit
+                if b:
+                    hits[1] += unit
+                if c:
+                    hits[2] += unit
+                if not (a and b and c):
+                    if a != b:
+                        apart[0] += unit
+                    if a != c:
+                        apart[1] += unit
+                    if b != c:
+                        apart[2] += unit
+        self.unit = unit
+
+    def averages(self) -> tuple[list[float], list[float]]:
+        """``hits`` and ``apart`` in uses (averages over about `WINDOW` uses)."""
+        unit = self.unit
+        return [h / unit for h in self.hits], [d / unit for d in self.apart]
+
+    def _rescale(self) -> None:
+        """Bring ``unit`` back to 1 (the averages unchanged)."""
+        self.hits, self.apart = self.averages()
+        self.unit = 1.0
+
+    def choose(self, order: int) -> int:
+        """The order to evict in, the pool's now being ``order``: the shadow
+        with the most hits (`_PREFER` on a tie), if its lead over ``order``'s
+        is enough (`LEAVE` from LRU's, `RETURN` back to it, any between the
+        use-count orders); else ``order``."""
+        hits = self.hits
+        best = max(_PREFER, key=hits.__getitem__)
+        if best == order:
+            return order
+        unit = self.unit
+        if order == 0:
+            need = LEAVE * (self.apart[best - 1] * unit) ** 0.5
+        elif best == 0:
+            need = RETURN * unit
+        else:
+            need = 0.0
+        return best if hits[best] - hits[order] > need else order
+
+    def check(self, problems: list[str]) -> None:
+        """Append what is wrong with the shadows to ``problems``."""
+        if len(self.lru) > self.size:
+            problems.append("a shadow cache holds more keys than its size")
+        for w in self.weighted:
+            w.check(self.size, problems)
 
 
 class AdaptivePool(FrequencyPool):
-    """`FrequencyPool` evicting in LRU's order unless the weighted shadow hit more
-    lately (module docstring). Costs beside `FrequencyPool`'s: the sampling
-    test per block released, `Shadows.refer` per sampled keyed block released
-    (1 in `Shadows.every`), and two shadows of `MIN_KEYS` to `MAX_KEYS` keys."""
+    """`FrequencyPool` evicting in the order of `ORDERS` its shadows chose
+    (module docstring), counts lowered along each released chain. Costs beside
+    `FrequencyPool`'s: one more pass over each released run (the lowering and
+    the sampling test), `Shadows.refer_run` per run with sampled keyed blocks
+    (1 in `Shadows.every`), and three shadows of `MIN_KEYS` to `MAX_KEYS` keys."""
 
-    __slots__ = ("shadows", "weighted")
+    __slots__ = ("order", "shadows")
 
     policy = "adaptive"
-    #: A chain is released tail first, and every use of a block is a use of its
-    #: ancestors, so counts never fall towards the head; sampled counts can
-    #: (a descendant's remembered count above its parent's), and then the
-    #: lowest class that goes first on a tie of release stamps would be the
-    #: ancestor, not LRU's tail. Raising them keeps the unweighted order LRU's.
-    monotone = True
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self.shadows = Shadows(num_blocks)
-        #: Whether the pool now evicts by age / uses² (else by age: LRU).
-        self.weighted = False
+        #: The index in `ORDERS` of the order the pool evicts in (0: LRU's).
+        self.order = 0
         self._weigh(_FLAT)
 
-    def _refer(self, blocks: Sequence[Block]) -> None:
-        shadows = self.shadows
-        every, whole = shadows.every, int.from_bytes
-        # `Shadows.sampled` inline, in a comprehension: it runs for every block.
-        picked = [
-            b for b in blocks if (k := b.key) is not None and not whole(k[8:12], "little") % every
-        ]
-        if not picked:
-            return
-        uses, clock = self.uses, self.clock
-        for block in picked:
-            shadows.refer(block.key, uses[block.block_id], clock)  # type: ignore[arg-type]
-        lru, weighted = shadows.hits
-        if (weighted > lru) != self.weighted:
-            self.weighted = not self.weighted
-            self._weigh(WEIGHT if self.weighted else _FLAT)
-
     def release(self, blocks: Iterable[Block]) -> None:
-        """As `FrequencyPool.release`; then the shadows see each sampled keyed
-        block released, in that order, with its count (module docstring)."""
+        """As `FrequencyPool.release` (``blocks`` in release order, a chain's
+        tail first), each keyed block's count first lowered to the lowest count
+        before it in the chain; then the shadows see each sampled keyed block,
+        in release order, with its count (module docstring)."""
         run = list(blocks)
+        uses = self.uses
+        shadows = self.shadows
+        every, number, offset = shadows.every, _SAMPLE_BYTES, shadows.offset
+        picked: list[tuple[bytes, int]] = []
+        low = CLASSES
+        for block in reversed(run):
+            key = block.key
+            if key is not None:
+                bid = block.block_id
+                u = uses[bid]
+                if u > low:
+                    uses[bid] = u = low
+                else:
+                    low = u
+                # `Shadows.sampled` inline: this runs for every block.
+                if not number(key, offset)[0] % every:
+                    picked.append((key, u))
         super().release(run)
-        self._refer(run)
+        if picked:
+            picked.reverse()
+            shadows.refer_run(picked, self.clock)
+            order = shadows.choose(self.order)
+            if order != self.order:
+                self.order = order
+                self._weigh(ORDERS[order])
 
     def check(self, problems: list[str]) -> None:
         super().check(problems)
         self.shadows.check(problems)
-        weights = WEIGHT if self.weighted else _FLAT
-        if [w for _, _, w in self.ends] != weights[1:]:
+        if [w for _, _, w in self.ends] != ORDERS[self.order][1:]:
             problems.append("the eviction weights do not follow the shadows")

@@ -127,9 +127,6 @@ class FrequencyPool(BlockPool):
     __slots__ = ("classes", "clock", "ends", "stamps", "table", "tails", "uses")
 
     policy = "frequency"
-    #: Whether `release` raises each block's count to the one released just
-    #: before it (`AdaptivePool`; see there).
-    monotone = False
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
@@ -265,10 +262,8 @@ class FrequencyPool(BlockPool):
 
     def release(self, blocks: Iterable[Block]) -> None:
         """As `BlockPool.release`, each keyed block queued by its use count
-        and stamped with the clock (with `monotone`, a count below the
-        previous queued block's is raised to it)."""
+        and stamped with the clock."""
         uses = self.uses
-        monotone = self.monotone
         stamps = self.stamps
         clock = self.clock & _STAMP_MASK
         free_push = self.free.append
@@ -289,8 +284,6 @@ class FrequencyPool(BlockPool):
                     bid = block.block_id
                     stamps[bid] = clock
                     c = uses[bid]
-                    if c < cur and monotone:
-                        c = uses[bid] = cur
                     if c != cur:
                         if cur:
                             tail = tails[cur]

@@ -46,7 +46,8 @@ def shadows(pool: FrequencyPool) -> object:
     if not isinstance(pool, AdaptivePool):
         return None
     sh = pool.shadows
-    return (list(sh.lru), [list(q.items()) for q in sh.classes], sh.hits, sh.refs, pool.weighted)
+    weighted = [[list(q.items()) for q in w.classes] for w in sh.weighted]
+    return (list(sh.lru), weighted, list(sh.hits), list(sh.apart), sh.unit, pool.order)
 
 
 def snapshot(eng: Engine | Checked) -> dict[str, Any]:

@@ -172,18 +172,20 @@ def test_drop_key_frees_an_evictable_block_at_once() -> None:
     assert problems == []
 
 
+#: The power of uses dividing the age in each of an adaptive pool's `ORDERS`.
+ORDERS_POWER = (0, 2, 3)
+
+
 def reference_victims(pool: FrequencyPool, n: int) -> list[Block]:
     """The next ``n`` victims by the policy's definition, one block at a time:
     the queue head with the largest age / uses² (the lowest class on a tie),
-    or, in an adaptive pool's LRU order, age alone."""
+    or, in an adaptive pool, age in its order (alone, / uses², / uses³)."""
     queues = [list(q) for q in pool.queues()]
-    flat = isinstance(pool, AdaptivePool) and not pool.weighted
+    power = ORDERS_POWER[pool.order] if isinstance(pool, AdaptivePool) else 2
     out: list[Block] = []
     for _ in range(n):
         scores = [
-            Fraction(pool.clock - pool.stamps[q[0].block_id] + 1, 1 if flat else c**2)
-            if q
-            else Fraction(-1)
+            Fraction(pool.clock - pool.stamps[q[0].block_id] + 1, c**power) if q else Fraction(-1)
             for c, q in enumerate(queues, 1)
         ]
         out.append(queues[scores.index(max(scores))].pop(0))

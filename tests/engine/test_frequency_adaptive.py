@@ -1,9 +1,20 @@
-"""The adaptive eviction policy: its shadow caches and the order they pick."""
+"""The adaptive eviction policy: its shadow caches, the order they pick and its counts."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvd.engine import adaptive
-from kvd.engine.adaptive import MAX_KEYS, MIN_KEYS, SAMPLE, AdaptivePool, Shadows
+from kvd.engine.adaptive import (
+    LEAVE,
+    MAX_KEYS,
+    MIN_KEYS,
+    ORDERS,
+    RETURN,
+    SAMPLE,
+    AdaptivePool,
+    Shadows,
+)
 from kvd.engine.frequency import CLASSES, WEIGHT
 from kvd.engine.prefix_index import PrefixIndex
 
@@ -31,34 +42,71 @@ def test_a_key_is_sampled_by_its_digest_bytes_8_to_11() -> None:
     assert not shadows.sampled(bytes(8) + (9).to_bytes(4, "little") + bytes(20))
 
 
+def test_another_offset_samples_by_other_digest_bytes() -> None:
+    shadows = Shadows(4 * MIN_KEYS, offset=16)
+    assert shadows.sampled(bytes(16) + (8).to_bytes(4, "little") + bytes(12))
+    bytes_8_to_11_sampled = bytes(8) + (8).to_bytes(4, "little") + bytes(4)
+    assert not shadows.sampled(bytes_8_to_11_sampled + (9).to_bytes(4, "little") + bytes(12))
+
+
 def test_a_use_of_a_key_in_a_shadow_is_its_hit() -> None:
     shadows = Shadows(4)
     shadows.refer(key(1), 1, 0)
-    assert shadows.hits == [0, 0]
+    assert shadows.hits == [0, 0, 0]
     shadows.refer(key(1), 2, 1)
-    assert shadows.hits == [1, 1]
-    assert shadows.where == {key(1): 2}
+    assert shadows.averages() == ([1, 1, 1], [0, 0, 0])
+    assert [w.where for w in shadows.weighted] == [{key(1): 2}] * 2
 
 
-def test_the_lru_shadow_drops_the_least_recent_key_the_weighted_one_the_least_used() -> None:
+def test_each_shadow_drops_the_key_its_order_evicts_first() -> None:
     shadows = Shadows(2)
-    shadows.refer(key(1), 1, 0)
-    shadows.refer(key(1), 2, 1)  # key 1: used twice, least recent
-    shadows.refer(key(2), 1, 2)
-    shadows.refer(key(3), 1, 3)
+    shadows.refer(key(1), 2, 0)  # used twice, 6 ticks old when key 3 comes
+    shadows.refer(key(2), 1, 5)  # used once, 1 tick old
+    shadows.refer(key(3), 1, 5)
     assert list(shadows.lru) == [key(2), key(3)]
-    assert set(shadows.where) == {key(1), key(3)}
+    squared, cubed = shadows.weighted
+    assert set(squared.where) == {key(2), key(3)}  # 6 / 2² > 1 / 1²
+    assert set(cubed.where) == {key(1), key(3)}  # 6 / 2³ < 1 / 1³
+    shadows.refer(key(1), 3, 6)  # a hit in the cubed shadow only
+    assert shadows.averages() == ([0, 0, 1], [0, 1, 1])
     problems: list[str] = []
     shadows.check(problems)
     assert problems == []
 
 
-def test_the_hits_halve_every_decay_uses(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(adaptive, "DECAY", 4)
+def test_the_hits_average_over_a_window_of_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adaptive, "WINDOW", 2)  # each use halves the averages first
     shadows = Shadows(4)
-    for clock in range(4):
+    for clock in range(3):
         shadows.refer(key(1), 1, clock)
-    assert shadows.hits == [1, 1] and shadows.refs == 0
+    assert shadows.averages()[0] == [1.5, 1.5, 1.5]
+
+
+def test_leaving_lru_takes_a_lead_beyond_the_noise_of_the_uses_that_differ() -> None:
+    shadows = Shadows(4)
+    shadows.hits, shadows.apart = [10.0, 12.0, 11.0], [9.0, 9.0, 1.0]
+    assert shadows.choose(0) == 0  # lead 2, not above LEAVE * 3
+    shadows.hits[1] = 10 + LEAVE * 3 + 0.5
+    assert shadows.choose(0) == 1
+
+
+def test_going_back_to_lru_takes_a_lead_of_more_than_return() -> None:
+    shadows = Shadows(4)
+    shadows.hits = [10 + RETURN, 10.0, 10.0]
+    assert shadows.choose(1) == 1 and shadows.choose(2) == 2
+    shadows.hits[0] += 0.5
+    assert shadows.choose(1) == 0 and shadows.choose(2) == 0
+
+
+def test_between_use_count_orders_any_lead_moves_a_tie_stays() -> None:
+    shadows = Shadows(4)
+    shadows.hits = [0.0, 5.0, 5.5]
+    assert shadows.choose(1) == 2
+    shadows.hits = [0.0, 5.0, 5.0]
+    assert shadows.choose(1) == 1 and shadows.choose(2) == 2
+    assert shadows.choose(0) == 2  # leaving LRU on a tie of the others: uses³
+    shadows.hits = [5.0, 5.0, 5.0]
+    assert shadows.choose(0) == 0
 
 
 def test_the_pool_starts_in_lru_order() -> None:
@@ -69,8 +117,20 @@ def test_the_pool_starts_in_lru_order() -> None:
     pool.release([a, a])
     pool.match([])
     pool.release([b])
-    assert not pool.weighted and weights(pool) == [1] * CLASSES
+    assert pool.order == 0 and weights(pool) == [1] * CLASSES
     assert pool.take(1, []) == [a]
+
+
+def test_a_count_above_an_ancestors_is_lowered_at_release() -> None:
+    pool, index = AdaptivePool(4), PrefixIndex()
+    blocks = pool.take(4, [])
+    cache(pool, index, blocks, [key(i) for i in range(4)])
+    for block, uses in zip(blocks, [2, 3, 1, 2], strict=True):
+        pool.uses[block.block_id] = uses  # as sampled remembered counts could be
+    pool.release(reversed(blocks))
+    assert [pool.uses[b.block_id] for b in blocks] == [2, 2, 1, 1]
+    # In LRU's order the chain goes tail first, as LRU evicts it.
+    assert pool.take(4, []) == blocks[::-1]
 
 
 def test_the_shadows_see_releases_in_the_pools_order_not_matches() -> None:
@@ -78,30 +138,27 @@ def test_the_shadows_see_releases_in_the_pools_order_not_matches() -> None:
     head, tail, private = pool.take(3, [])
     cache(pool, index, [head, tail], [key(1), key(2)])
     pool.match([head, tail])
-    assert pool.shadows.refs == 0
+    assert pool.shadows.lru == {}
     pool.release(reversed([head, tail, private]))  # tail first; the unkeyed one is no use
-    assert list(pool.shadows.lru) == [key(2), key(1)] and pool.shadows.refs == 2
-    assert pool.shadows.where == {key(2): 2, key(1): 2}
+    assert list(pool.shadows.lru) == [key(2), key(1)]
+    assert [w.where for w in pool.shadows.weighted] == [{key(2): 2, key(1): 2}] * 2
 
 
-def test_the_pool_weighs_uses_while_the_weighted_shadow_hits_more() -> None:
+def test_the_pool_evicts_in_the_order_its_shadows_choose_after_each_release() -> None:
     pool, index = AdaptivePool(3), PrefixIndex()  # shadows of 3 keys, every key sampled
-    (a,) = pool.take(1, [])
-    cache(pool, index, [a], [key(1)])
-    for _ in range(3):
-        pool.match([a])  # 4 uses
-    pool.release([a] * 4)  # 4 holders: a hit in both shadows after the first
-    for i in range(2, 6):  # one-use keys push key 1 out of the pool and the LRU shadow
+
+    def release_one(i: int) -> None:
         blocks = pool.take(1, [])
         cache(pool, index, blocks, [key(i)])
         pool.match([])
         pool.release(blocks)
-    assert key(1) not in index and pool.shadows.hits == [3, 3] and not pool.weighted
-    blocks = pool.take(1, [])
-    cache(pool, index, blocks, [key(1)])
-    pool.release(blocks)  # a hit in the weighted shadow only
-    assert pool.shadows.hits == [3, 4]
-    assert pool.weighted and weights(pool) == WEIGHT[1:]
+
+    pool.shadows.hits, pool.shadows.apart = [0.0, 10.0, 10.0], [10.0, 10.0, 0.0]
+    release_one(1)
+    assert pool.order == 2 and weights(pool) == ORDERS[2][1:]
+    pool.shadows.hits = [30.0, 10.0, 10.0]
+    release_one(2)
+    assert pool.order == 0 and weights(pool) == [1] * CLASSES
     problems: list[str] = []
     pool.check(problems)
     assert problems == []
@@ -113,3 +170,15 @@ def test_check_notices_weights_that_do_not_follow_the_shadows() -> None:
     problems: list[str] = []
     pool.check(problems)
     assert problems == ["the eviction weights do not follow the shadows"]
+
+
+def test_bringing_the_unit_back_keeps_the_averages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adaptive, "WINDOW", 2)
+    monkeypatch.setattr(adaptive, "_RESCALE", 5.0)  # every third use or so
+    shadows = Shadows(4)
+    expected = 0.0
+    for clock in range(10):
+        shadows.refer(key(1), 1, clock)
+        expected = expected / 2 + (clock > 0)
+    assert shadows.unit < 5.0
+    assert shadows.averages()[0] == pytest.approx([expected] * 3)
