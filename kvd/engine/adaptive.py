@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvd.engine.block import Block
-from kvd.engine.frequency import CLASSES, WEIGHT, FrequencyPool
+from kvd.engine.frequency import _STAMP_MASK, CLASSES, WEIGHT, FrequencyPool
 
 __all__ = [
     "LEAVE",
@@ -258,7 +258,7 @@ class AdaptivePool(FrequencyPool):
     the sampling test), `Shadows.refer_run` per run with sampled keyed blocks
     (1 in `Shadows.every`), and three shadows of `MIN_KEYS` to `MAX_KEYS` keys."""
 
-    __slots__ = ("order", "shadows")
+    __slots__ = ("order", "sampled", "shadows")
 
     policy = "adaptive"
 
@@ -268,33 +268,101 @@ class AdaptivePool(FrequencyPool):
         #: The index in `ORDERS` of the order the pool evicts in (0: LRU's).
         self.order = 0
         self._weigh(_FLAT)
+        #: sampled[id]: whether the key of keyed block ``id`` is in the shadows'
+        #: sample (`Shadows.sampled`), tested once when it is published, not at
+        #: each of its releases. Meaningless while the block has no key.
+        self.sampled = bytearray(num_blocks)
+
+    def publish(self, blocks: Sequence[Block]) -> None:
+        """As `FrequencyPool.publish` (in the same pass), and each block's
+        sampling test taken (``sampled``)."""
+        uses = self.uses
+        sampled = self.sampled
+        table = self.table
+        mask = table.SAMPLE - 1
+        shadows = self.shadows
+        every, number, offset = shadows.every, _SAMPLE_BYTES, shadows.offset
+        below = 1
+        for block in reversed(blocks):
+            key: bytes = block.key  # type: ignore[assignment]
+            if not key[0] & mask:
+                below = min(table.recall(key) + 1, CLASSES)
+            bid = block.block_id
+            uses[bid] = below
+            sampled[bid] = not number(key, offset)[0] % every
 
     def release(self, blocks: Iterable[Block]) -> None:
         """As `FrequencyPool.release` (``blocks`` in release order, a chain's
         tail first), each keyed block's count first lowered to the lowest count
         before it in the chain; then the shadows see each sampled keyed block,
-        in release order, with its count (module docstring)."""
-        run = list(blocks)
+        in release order, with its count (module docstring).
+
+        One pass, head first (the lowering runs from the chain's head): each
+        class's blocks are linked into a segment, newest in front, and the
+        segments are spliced at their queues' tails at the end, which puts
+        them in release order as `FrequencyPool.release` would. Lowered counts
+        never rise towards the tail, so each class's blocks are one segment."""
+        run = blocks if isinstance(blocks, list) else list(blocks)
         uses = self.uses
-        shadows = self.shadows
-        every, number, offset = shadows.every, _SAMPLE_BYTES, shadows.offset
+        stamps = self.stamps
+        clock = self.clock & _STAMP_MASK
+        sampled = self.sampled
         picked: list[tuple[bytes, int]] = []
+        pick = picked.append
+        freed: list[Block] = []
+        free = freed.append
+        # (class, front, end) of each segment, and the one being built.
+        segments: list[tuple[int, Block, Block]] = []
+        cur = 0
+        front: Block = self.tails[0]
+        end: Block = front
         low = CLASSES
+        queued = 0
         for block in reversed(run):
+            ref = block.ref - 1
+            block.ref = ref
             key = block.key
-            if key is not None:
-                bid = block.block_id
-                u = uses[bid]
-                if u > low:
-                    uses[bid] = u = low
+            if key is None:
+                if ref == 0:
+                    free(block)
+                continue
+            bid = block.block_id
+            u = uses[bid]
+            if u > low:
+                uses[bid] = u = low
+            else:
+                low = u
+            if sampled[bid]:
+                pick((key, u))
+            if ref == 0:
+                stamps[bid] = clock
+                if u != cur:
+                    if cur:
+                        segments.append((cur, front, end))
+                    cur = u
+                    front = end = block
                 else:
-                    low = u
-                # `Shadows.sampled` inline: this runs for every block.
-                if not number(key, offset)[0] % every:
-                    picked.append((key, u))
-        super().release(run)
+                    block.next = front
+                    front.prev = block
+                    front = block
+                queued += 1
+        if freed:
+            freed.reverse()
+            self.free += freed
+        if queued:
+            segments.append((cur, front, end))
+            tails = self.tails
+            for c, first, last in segments:
+                tail = tails[c]
+                before: Block = tail.prev  # type: ignore[assignment]
+                before.next = first
+                first.prev = before
+                last.next = tail
+                tail.prev = last
+            self.evictable += queued
         if picked:
             picked.reverse()
+            shadows = self.shadows
             shadows.refer_run(picked, self.clock)
             order = shadows.choose(self.order)
             if order != self.order:
@@ -304,5 +372,8 @@ class AdaptivePool(FrequencyPool):
     def check(self, problems: list[str]) -> None:
         super().check(problems)
         self.shadows.check(problems)
+        sampled, test = self.sampled, self.shadows.sampled
+        if any(b.key is not None and sampled[b.block_id] != test(b.key) for b in self.blocks):
+            problems.append("a keyed block's sampling flag is not its key's")
         if [w for _, _, w in self.ends] != ORDERS[self.order][1:]:
             problems.append("the eviction weights do not follow the shadows")

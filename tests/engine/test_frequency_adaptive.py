@@ -15,10 +15,10 @@ from kvd.engine.adaptive import (
     AdaptivePool,
     Shadows,
 )
-from kvd.engine.frequency import CLASSES, WEIGHT
+from kvd.engine.frequency import CLASSES, WEIGHT, FrequencyPool
 from kvd.engine.prefix_index import PrefixIndex
 
-from .test_frequency import cache, key
+from .test_frequency import cache, classes, key
 
 
 def weights(pool: AdaptivePool) -> list[int]:
@@ -131,6 +131,45 @@ def test_a_count_above_an_ancestors_is_lowered_at_release() -> None:
     assert [pool.uses[b.block_id] for b in blocks] == [2, 2, 1, 1]
     # In LRU's order the chain goes tail first, as LRU evicts it.
     assert pool.take(4, []) == blocks[::-1]
+
+
+def test_a_release_queues_and_frees_in_frequencys_order() -> None:
+    # Counts that never rise towards the tail (nothing to lower), some blocks
+    # still held elsewhere, some unkeyed: the one head-first pass must leave
+    # every queue and the free stack as FrequencyPool's release does.
+    pools = AdaptivePool(12), FrequencyPool(12)
+    for pool in pools:
+        index = PrefixIndex()
+        blocks = pool.take(12, [])
+        cache(pool, index, blocks[:9], [key(i) for i in range(9)])
+        for block, uses in zip(blocks, [5, 5, 3, 3, 3, 2, 1, 1, 1], strict=False):
+            pool.uses[block.block_id] = uses
+        pool.touch([blocks[1], blocks[4]])  # held by another sequence too
+        pool.release(reversed(blocks))
+    adaptive_pool, frequency_pool = pools
+    assert classes(adaptive_pool) == classes(frequency_pool)
+    assert [b.block_id for b in adaptive_pool.free] == [b.block_id for b in frequency_pool.free]
+    assert adaptive_pool.evictable == frequency_pool.evictable == 7
+
+
+def test_a_keys_sampling_test_is_taken_when_it_is_published() -> None:
+    pool, index = AdaptivePool(4 * MIN_KEYS), PrefixIndex()  # 1 in 4 sampled
+    a, b = pool.take(2, [])
+    sampled, unsampled = (bytes(8) + (n).to_bytes(4, "little") + bytes(20) for n in (8, 9))
+    cache(pool, index, [a, b], [sampled, unsampled])
+    assert (pool.sampled[a.block_id], pool.sampled[b.block_id]) == (1, 0)
+    pool.release([b, a])
+    assert list(pool.shadows.lru) == [sampled]
+
+
+def test_check_notices_a_sampling_flag_that_is_not_its_keys() -> None:
+    pool, index = AdaptivePool(4), PrefixIndex()  # every key sampled
+    (a,) = pool.take(1, [])
+    cache(pool, index, [a], [key(1)])
+    pool.sampled[a.block_id] = 0
+    problems: list[str] = []
+    pool.check(problems)
+    assert problems == ["a keyed block's sampling flag is not its key's"]
 
 
 def test_the_shadows_see_releases_in_the_pools_order_not_matches() -> None:
