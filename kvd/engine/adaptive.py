@@ -254,9 +254,10 @@ class Shadows:
 class AdaptivePool(FrequencyPool):
     """`FrequencyPool` evicting in the order of `ORDERS` its shadows chose
     (module docstring), counts lowered along each released chain. Costs beside
-    `FrequencyPool`'s: one more pass over each released run (the lowering and
-    the sampling test), `Shadows.refer_run` per run with sampled keyed blocks
-    (1 in `Shadows.every`), and three shadows of `MIN_KEYS` to `MAX_KEYS` keys."""
+    `FrequencyPool`'s: the lowering in its release pass, the sampling test once
+    per published key (a byte per block), `Shadows.refer_run` per run with
+    sampled keyed blocks (1 in `Shadows.every`), and three shadows of
+    `MIN_KEYS` to `MAX_KEYS` keys."""
 
     __slots__ = ("order", "sampled", "shadows")
 
@@ -274,22 +275,11 @@ class AdaptivePool(FrequencyPool):
         self.sampled = bytearray(num_blocks)
 
     def publish(self, blocks: Sequence[Block]) -> None:
-        """As `FrequencyPool.publish` (in the same pass), and each block's
-        sampling test taken (``sampled``)."""
-        uses = self.uses
-        sampled = self.sampled
-        table = self.table
-        mask = table.SAMPLE - 1
-        shadows = self.shadows
-        every, number, offset = shadows.every, _SAMPLE_BYTES, shadows.offset
-        below = 1
-        for block in reversed(blocks):
-            key: bytes = block.key  # type: ignore[assignment]
-            if not key[0] & mask:
-                below = min(table.recall(key) + 1, CLASSES)
-            bid = block.block_id
-            uses[bid] = below
-            sampled[bid] = not number(key, offset)[0] % every
+        """As `FrequencyPool.publish`, and each block's sampling test taken (``sampled``)."""
+        super().publish(blocks)
+        sampled, test = self.sampled, self.shadows.sampled
+        for block in blocks:
+            sampled[block.block_id] = test(block.key)  # type: ignore[arg-type]
 
     def release(self, blocks: Iterable[Block]) -> None:
         """As `FrequencyPool.release` (``blocks`` in release order, a chain's
