@@ -78,7 +78,7 @@ from kvd.server.dispatch import BatchRun, Dispatcher
 from kvd.server.guard import guard_connections
 from kvd.server.handshake import PendingHello
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
-from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
+from kvd.server.metrics import MetricsServer, loop_snapshot, snapshot_of, start_metrics_server
 from kvd.server.pools import PoolRefusal, Pools
 from kvd.server.reload import reload_config
 from kvd.server.sdnotify import Notifier
@@ -392,16 +392,10 @@ class Daemon:
             ) from None
 
     def _metrics_snapshot(self) -> dict[str, Any]:
-        """The stats reshaped as kvd.server.metrics reads them (pools nest blocks, prefix)."""
         assert self.dispatcher is not None
         with self._lock:
             stats = self.dispatcher.info.stats()
-        pools = {
-            name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
-            for name in stats["pools"]
-        }
-        optional = ("admission", "clients", "events", "tiers")
-        return {"pools": pools} | {key: stats[key] for key in optional if key in stats}
+        return snapshot_of(stats)
 
     def _status_line(self) -> str:
         assert self.dispatcher is not None

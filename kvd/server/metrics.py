@@ -109,6 +109,7 @@ __all__ = [
     "MetricsServer",
     "Snapshot",
     "loop_snapshot",
+    "snapshot_of",
     "start_metrics_server",
 ]
 
@@ -244,6 +245,17 @@ def start_metrics_server(host: str, port: int, snapshot: Snapshot) -> MetricsSer
     server = MetricsServer(metrics, httpd, thread)
     _log.info("metrics_listening", url=server.url)
     return server
+
+
+def snapshot_of(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The daemon's stats (`Info.stats`) reshaped as the collector reads them:
+    each pool's blocks and prefix figures nested under ``pools``."""
+    pools = {
+        name: {"blocks": stats["blocks"][name], "prefix": stats["prefix"][name]}
+        for name in stats["pools"]
+    }
+    optional = ("admission", "clients", "events", "tiers")
+    return {"pools": pools} | {key: stats[key] for key in optional if key in stats}
 
 
 def loop_snapshot(func: Callable[[], T]) -> Callable[[], T]:

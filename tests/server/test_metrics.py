@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd import __version__
-from kvd.server.metrics import MetricsServer, loop_snapshot, start_metrics_server
+from kvd.server.metrics import MetricsServer, loop_snapshot, snapshot_of, start_metrics_server
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -263,3 +263,17 @@ def test_a_chains_tier_2_is_labelled_with_its_pool(serve: Any) -> None:
     errors = (("code", "X"), ("pool", "llama"), ("tier", "2"))
     assert samples[("kvd_tier_store_errors_total", errors)] == 1
     assert not [key for key in samples if ("pool", "llama@tier2") in key[1]]
+
+
+def test_the_snapshot_nests_each_pools_blocks_and_prefix_and_keeps_the_optional_sections() -> None:
+    stats = {
+        "pools": {"default": {}},
+        "blocks": {"default": {"in_use": 1}},
+        "prefix": {"default": {"hits": 2}},
+        "clients": {"sessions": 3},
+        "uptime_s": 9.0,
+    }
+    assert snapshot_of(stats) == {
+        "pools": {"default": {"blocks": {"in_use": 1}, "prefix": {"hits": 2}}},
+        "clients": {"sessions": 3},
+    }
