@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config,
             reload=(lambda: _load(args)) if args.config else None,
             on_log_config=_apply_logging,
+            own_process=True,
         )
         anyio.run(daemon.run)
     except DaemonError as exc:

@@ -720,6 +720,11 @@ class Engine:
     # ------------------------------------------------------------------
     # Observation
 
+    def born(self) -> int:
+        """Block records created so far: the pool creates them on first use
+        and keeps them for its life."""
+        return len(self._pool.blocks)
+
     def stats(self) -> EngineStats:
         """A snapshot of the counters (plain data)."""
         pool = self._pool

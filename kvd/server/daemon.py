@@ -75,6 +75,7 @@ from kvd.errors import DaemonError, StartupError
 from kvd.memory import remove_stale_segments
 from kvd.server import transport
 from kvd.server.dispatch import BatchRun, Dispatcher
+from kvd.server.freezer import Freezer
 from kvd.server.guard import guard_connections
 from kvd.server.handshake import PendingHello
 from kvd.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, EventChannel, KVEventPublisher
@@ -102,7 +103,6 @@ _COPY_BODY_MAX: Final = 64 * 1024
 #: Engine events move to the channels every 2 ms while they flow, up to 64 ms apart idle.
 _EVENTS_INTERVAL, _EVENTS_IDLE = 0.002, 0.064
 
-
 #: A tcp hello waiting for its peer's pid: identity, frames, CURVE user id, connection (a dup).
 _TcpHello = tuple[bytes, list[bytes], str | None, socket.socket]
 
@@ -110,8 +110,8 @@ _TcpHello = tuple[bytes, list[bytes], str | None, socket.socket]
 class Daemon:
     """One kvd daemon for ``config``; ``await run()`` serves until a signal or `stop`.
 
-    ``reload`` (optional) returns a fresh Config on SIGHUP; ``env`` is used to
-    resolve the default socket path (tests pass their own).
+    ``reload`` (optional) returns a fresh Config on SIGHUP; ``env`` resolves the default
+    socket path (tests pass their own); ``own_process``: the process is kvd.cli's (heap frozen).
     """
 
     def __init__(
@@ -122,6 +122,7 @@ class Daemon:
         reload: Callable[[], Config] | None = None,
         on_log_config: Callable[[Config], None] | None = None,
         handle_signals: bool = True,
+        own_process: bool = False,
     ) -> None:
         self.config = config
         self.addresses = [config.server.address or wire.default_socket(env)]
@@ -137,6 +138,7 @@ class Daemon:
         #: Vets the CURVE clients of a tcp endpoint (None without one).
         self._zap: ZapHandler | None = None
         self.pools = Pools(config, instance=self.instance)
+        self._freezer = Freezer(self.pools.born) if own_process else None
         self._bound: list[Path] = []
         self._publisher: KVEventPublisher | None = None
         self._channels: dict[str, EventChannel] = {}
@@ -171,7 +173,6 @@ class Daemon:
         self._replies = transport.ReplyQueues(server.max_queued_reply_bytes)
         #: Messages the request thread took (the loop trims memory when it stands still).
         self._handled = 0
-        #: tcp hellos waiting for their peer's pid: (identity, frames, user id, connection).
         self._tcp_hellos: tuple[
             MemoryObjectSendStream[_TcpHello], MemoryObjectReceiveStream[_TcpHello]
         ] = anyio.create_memory_object_stream[_TcpHello](max_buffer_size=float("inf"))
@@ -341,12 +342,15 @@ class Daemon:
         """The root task group: serve until a drain ends or `stop_now`."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            assert self._monitor is not None and self.dispatcher is not None
+            if self._freezer is not None:  # first: nothing else runs while it freezes
+                await tg.start(self._freezer.run)
+                self.dispatcher.info.sections["gc"] = self._freezer.stats
             tg.start_soon(self._serve)
             if publisher is not None:
                 tg.start_soon(self._move_events)
                 tg.start_soon(publisher.run)
             tg.start_soon(self._maintain)
-            assert self._monitor is not None and self.dispatcher is not None
             tg.start_soon(self.dispatcher.tiers.serve, self._lock, self._send, self._resume)
             tg.start_soon(
                 guard_connections,

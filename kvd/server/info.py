@@ -25,6 +25,7 @@ from kvd.config import reload_keys
 from kvd.engine import EngineStats, InvariantError
 from kvd.errors import RequestError
 from kvd.server.context import Call, Outcome, ServerState
+from kvd.server.freezer import gc_stats
 
 __all__ = ["CLIENTS_LISTED", "Info"]
 
@@ -172,6 +173,7 @@ class Info:
                 "by_pool": {name: dict(sorted(es.refusals.items())) for name, es in engine.items()},
             },
             "rpc": state.rpc.section(),
+            "gc": gc_stats(),
         } | {name: section() for name, section in self.sections.items()}
 
     def config_section(self) -> dict[str, Any]:

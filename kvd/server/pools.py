@@ -94,6 +94,10 @@ class Pools:
     # ------------------------------------------------------------------
     # Lookup
 
+    def born(self) -> int:
+        """Block records made so far in every pool (`Engine.born`)."""
+        return sum(pool.engine.born() for pool in self._pools.values())
+
     def __iter__(self) -> Iterator[ServedPool]:
         return iter(self._pools.values())
 

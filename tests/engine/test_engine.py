@@ -358,3 +358,12 @@ def test_stats_count_queries_hits_and_usage(eng: Checked) -> None:
 def test_stats_count_reserved_blocks(eng: Checked) -> None:
     alloc(eng, "a", toks(3), reserve=13)
     assert eng.stats().reserved == 3
+
+
+def test_born_counts_block_records_made_on_first_use_and_kept(eng: Checked) -> None:
+    assert eng.born() == 0
+    alloc(eng, "a", toks(3 * BS))
+    assert eng.born() == 3
+    eng.free(1, "a")
+    alloc(eng, "b", toks(2 * BS, start=1000))
+    assert eng.born() == 3

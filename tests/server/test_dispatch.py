@@ -512,7 +512,7 @@ def test_flush_drops_cached_blocks(h: Harness) -> None:
 def test_stats_sections(h: Harness) -> None:
     h.hello()
     info = h.ok(wire.StatsRequest(id=1))["info"]
-    assert set(info) == {"server", "pools", "blocks", "prefix", "clients", "admission", "rpc"}
+    assert set(info) == {"server", "pools", "blocks", "prefix", "clients", "admission", "rpc", "gc"}
     assert info["server"]["epoch"] == 12345
     assert info["server"]["pid"] == os.getpid()
     assert info["blocks"]["default"]["total"] == 16
