@@ -109,19 +109,19 @@ def test_more_keys_than_one_frame_may_hold_are_too_large() -> None:
     assert _code(_frames(wire.Kind.LOOKUP, {"id": 1, "keys": 0}, frame)) == wire.Code.TOO_LARGE
 
 
-def test_batch_keys_take_frames_after_the_shared_token_frame() -> None:
-    keys = [b"k" * 32]
+def test_a_batchs_keys_share_one_frame_after_the_token_frame() -> None:
+    a, b = [b"a" * 32], [b"b" * 32, b"c" * 32]
     ops = [
-        wire.LookupRequest(id=0, keys=keys),
-        wire.AllocateRequest(id=0, seq="a", tokens=np.arange(16, dtype="<i4"), keys=keys),
+        wire.LookupRequest(id=0, keys=a),
+        wire.AllocateRequest(id=0, seq="a", tokens=np.arange(32, dtype="<i4"), keys=b),
     ]
     frames = wire.encode_batch(7, ops)
-    assert len(frames) == 5  # kind, body, tokens, two keys frames
+    assert frames[2:] == [np.arange(32, dtype="<i4").tobytes(), b"a" * 32 + b"b" * 32 + b"c" * 32]
     batch = wire.decode_request(frames)
     extras = wire.TokenFrames(frames[2:])
     got = [wire.decode_batch_op(op, extras) for op in batch.ops]  # type: ignore[attr-defined]
-    assert got[0].keys == keys and got[1].keys == keys
-    assert got[1].tokens.tolist() == list(range(16))
+    assert got[0].keys == a and got[1].keys == b
+    assert got[1].tokens.tolist() == list(range(32))
 
 
 def test_a_batch_of_keys_without_tokens_sends_an_empty_token_frame() -> None:

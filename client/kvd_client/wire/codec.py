@@ -29,7 +29,6 @@ from kvd_client.wire.payloads import (
     blocks_to_bytes,
     decode_keys,
     decode_tokens,
-    keys_frame,
     tokens_from_bytes,
 )
 
@@ -252,9 +251,8 @@ def compile_encoder(cls: type[Message]) -> Any:
         "ndarray": np.ndarray,
         "I32": INT32_LE,
         "blocks": blocks_to_bytes,
-        "keys": keys_frame,
     }
-    lines = ["def encode(self, extras, tok):", "    out = {}"]
+    lines = ["def encode(self, extras, tok, key):", "    out = {}"]
     for f in schema:
         name = f.name
         lines.append(f"    v = self.{name}")
@@ -267,7 +265,7 @@ def compile_encoder(cls: type[Message]) -> Any:
             lines.append("        else:")
             lines.append(f"            out[{name!r}] = blocks(v)")
         elif f.check is decode_keys:
-            lines.append(f"        out[{name!r}] = keys(v, extras)")
+            lines.append(f"        out[{name!r}] = key(v, extras)")
         else:
             lines.append(f"        out[{name!r}] = v")
     lines.append("    return out")

@@ -34,7 +34,7 @@ __all__ = [
     "ProtocolError",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 #: A message (all frames together) larger than this is refused with TOO_LARGE.
 #: The daemon sets ZMQ_MAXMSGSIZE above it so that zmq never drops silently.

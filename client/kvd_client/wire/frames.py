@@ -25,7 +25,7 @@ from kvd_client.wire.codes import (
     ProtocolError,
 )
 from kvd_client.wire.messages import REQUESTS, Request, Result
-from kvd_client.wire.payloads import SharedTokens, pack
+from kvd_client.wire.payloads import SharedKeys, SharedTokens, pack
 
 __all__ = [
     "ErrorReply",
@@ -221,14 +221,15 @@ def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
     """Frames of a batch request carrying ``ops`` (each batchable).
 
     Every token field of the batch slices one shared extra frame
-    (``[0, start, stop]``): one frame per batch, not one per operation. Keys
-    fields take frames 1.. (frame 0 is then sent even when empty).
+    (``[0, start, stop]``) and every keys field another (``[1, start,
+    stop]``): two frames per batch, not one per operation. Frame 0 is sent
+    (empty) when there are keys but no tokens.
     """
     if len(ops) > MAX_BATCH_OPS:
         raise ValueError(f"a batch holds at most {MAX_BATCH_OPS} operations")
-    extras: list[bytes] = [b""]
-    shared = SharedTokens(0)
-    add = shared.add
+    extras: list[bytes] = []
+    tokens, keys = SharedTokens(0), SharedKeys(1)
+    tok, key = tokens.add, keys.add
     entries = []
     for op in ops:
         cls = type(op)
@@ -237,13 +238,14 @@ def encode_batch(req_id: int, ops: Sequence[Request]) -> list[bytes]:
         enc = ENCODERS.get(cls)
         if enc is None:
             enc = ENCODERS[cls] = compile_encoder(cls)
-        entries.append([int(cls.KIND), enc(op, extras, add)])
+        entries.append([int(cls.KIND), enc(op, extras, tok, key)])
     body = pack({"id": req_id, "ops": entries})
-    if shared.arrays:
-        extras[0] = shared.frame_bytes()
-    elif len(extras) == 1:
-        return [_KIND_BATCH, body]
-    return [_KIND_BATCH, body, *extras]
+    if keys.parts:
+        shared = tokens.frame_bytes() if tokens.arrays else b""
+        return [_KIND_BATCH, body, shared, keys.frame_bytes()]
+    if tokens.arrays:
+        return [_KIND_BATCH, body, tokens.frame_bytes()]
+    return [_KIND_BATCH, body]
 
 
 def decode_reply(frames: Sequence[bytes | memoryview]) -> OkReply | ErrorReply | Notice:

@@ -27,7 +27,7 @@ from kvd_client.wire.codec import (
     fields,
 )
 from kvd_client.wire.codes import Kind
-from kvd_client.wire.payloads import Blocks, Keys, pack, token_frame
+from kvd_client.wire.payloads import Blocks, Keys, keys_frame, pack, token_frame
 
 __all__ = [
     "REQUESTS",
@@ -95,12 +95,12 @@ class Message:
     __slots__ = ()
 
     def to_map(self, extras: list[bytes]) -> dict[str, Any]:
-        """The body map; token fields are appended to ``extras`` as frames."""
+        """The body map; token and keys fields are appended to ``extras`` as frames."""
         cls = type(self)
         enc = ENCODERS.get(cls)
         if enc is None:
             enc = ENCODERS[cls] = compile_encoder(cls)
-        return enc(self, extras, token_frame)  # type: ignore[no-any-return]
+        return enc(self, extras, token_frame, keys_frame)  # type: ignore[no-any-return]
 
     @classmethod
     def from_map(cls: type[M], body: Any, extras: Sequence[bytes]) -> M:

@@ -24,6 +24,7 @@ __all__ = [
     "INT32_LE",
     "Blocks",
     "Keys",
+    "SharedKeys",
     "SharedTokens",
     "TokenArray",
     "TokenFrames",
@@ -194,16 +195,62 @@ def keys_from_bytes(buf: bytes | memoryview) -> KeyList:
 
 
 def decode_keys(value: Any, extras: Sequence[bytes], name: str) -> list[bytes]:
-    """A keys field: the index of its extra frame."""
-    if type(value) is not int or not 0 <= value < len(extras):
-        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
-    return keys_from_bytes(extras[value])
+    """A keys field: ``i`` (all of extra frame ``i``) or ``[i, start, stop]``
+    (keys ``start`` to ``stop`` of it, which a batch's fields share)."""
+    if type(value) is int:
+        if not 0 <= value < len(extras):
+            raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
+        return keys_from_bytes(extras[value])
+    if (
+        type(value) is not list
+        or len(value) != 3
+        or type(value[0]) is not int
+        or type(value[1]) is not int
+        or type(value[2]) is not int
+    ):
+        raise ProtocolError(
+            Code.INVALID, f"field {name!r}: expected a frame index or [frame, start, stop]"
+        )
+    index, start, stop = value
+    if not 0 <= index < len(extras):
+        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {index!r}")
+    buf = extras[index]
+    if len(buf) % KEY_SIZE:
+        raise ProtocolError(Code.INVALID, f"keys of {len(buf)} bytes are not {KEY_SIZE}-byte keys")
+    if not 0 <= start <= stop <= len(buf) // KEY_SIZE:
+        raise ProtocolError(
+            Code.INVALID,
+            f"field {name!r}: keys {start}:{stop} outside frame {index} of {len(buf) // KEY_SIZE}",
+        )
+    return keys_from_bytes(buf[start * KEY_SIZE : stop * KEY_SIZE])
 
 
 def keys_frame(value: Sequence[bytes], extras: list[bytes]) -> int:
     """Append a keys field's frame to ``extras``; the field's body value (its index)."""
     extras.append(keys_to_bytes(value))
     return len(extras) - 1
+
+
+class SharedKeys:
+    """One keys frame for a whole batch: each field becomes ``[frame, start, stop]``
+    (a frame per field would cost both ends a ZeroMQ frame per operation)."""
+
+    __slots__ = ("frame", "parts", "size")
+
+    def __init__(self, frame: int) -> None:
+        self.frame = frame
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, value: Sequence[bytes], extras: list[bytes]) -> list[int]:
+        part = keys_to_bytes(value)
+        start = self.size
+        self.size = start + len(part) // KEY_SIZE
+        self.parts.append(part)
+        return [self.frame, start, self.size]
+
+    def frame_bytes(self) -> bytes:
+        return b"".join(self.parts)
 
 
 TokenArray = npt.NDArray[np.int32]
