@@ -32,13 +32,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench._common import Figure, machine, print_table, run_daemon, write_results
 from kvd.engine import Allocation, Engine, EngineConfig
 
-__all__ = ["fill_engine", "main", "private_bytes"]
+__all__ = ["fill_client", "fill_engine", "main", "private_bytes"]
 
 SIZES = (10_000, 1_000_000)
 BLOCK_SIZE = 16
@@ -73,6 +74,18 @@ def fill_engine(eng: Engine, tokens: Tokens, num_blocks: int) -> None:
         eng.commit(1, "fill")
         eng.free(1, "fill")
         cached += n // BLOCK_SIZE
+
+
+def fill_client(kv: Any, tokens: Tokens, num_blocks: int) -> None:
+    """`fill_engine` through a daemon: new prompts allocated, committed and
+    freed by ``kv`` (a `kvd_client.Client`) until ``num_blocks`` blocks were used."""
+    used = 0
+    while used < num_blocks:
+        n = min(FILL, (num_blocks - used) * BLOCK_SIZE)
+        seq = kv.allocate("fill", tokens.take(n))
+        seq.commit()
+        seq.free()
+        used += n // BLOCK_SIZE
 
 
 def cycle_seconds(eng: Engine, tokens: Tokens, cycles: int) -> float:
@@ -121,14 +134,7 @@ def daemon_memory(size: int) -> tuple[int, float]:
         run_daemon({**TINY, "num_blocks": size}, timeout=120) as daemon,
         Client.connect(daemon.address, pool="default", name="scale") as kv,
     ):
-        tokens = Tokens()
-        cached = 0
-        while cached < size:
-            n = min(FILL, (size - cached) * BLOCK_SIZE)
-            seq = kv.allocate("fill", tokens.take(n))
-            seq.commit()
-            seq.free()
-            cached += n // BLOCK_SIZE
+        fill_client(kv, Tokens(), size)
         kv.heartbeat()
         return private_bytes(daemon.pid), daemon.ready_seconds
 

@@ -32,7 +32,7 @@ from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
 from bench._common import Figure, machine, percentile, print_table, run_daemon, write_results
-from bench.scale import BLOCK_SIZE, FILL, TINY, Tokens
+from bench.scale import TINY, Tokens, fill_client
 
 __all__ = ["main", "probe"]
 
@@ -54,17 +54,6 @@ def probe(address: str, stop: EventType, out: Any) -> None:
     out.put(pings)
 
 
-def fill(kv: Any, tokens: Tokens, num_blocks: int) -> None:
-    """Allocate, commit and free new prompts until ``num_blocks`` blocks were used."""
-    used = 0
-    while used < num_blocks:
-        n = min(FILL, (num_blocks - used) * BLOCK_SIZE)
-        seq = kv.allocate("fill", tokens.take(n))
-        seq.commit()
-        seq.free()
-        used += n // BLOCK_SIZE
-
-
 def one_round(num_blocks: int) -> dict[str, dict[str, float]]:
     """Ping figures (seconds; ``stalled`` a share) of the first fill and the refill."""
     from kvd_client import Client
@@ -78,9 +67,9 @@ def one_round(num_blocks: int) -> dict[str, dict[str, float]]:
         with Client.connect(daemon.address, pool="default", name="filler") as kv:
             tokens = Tokens()
             t0 = time.perf_counter()
-            fill(kv, tokens, num_blocks)
+            fill_client(kv, tokens, num_blocks)
             t1 = time.perf_counter()
-            fill(kv, tokens, num_blocks)
+            fill_client(kv, tokens, num_blocks)
             t2 = time.perf_counter()
         stop.set()
         pings = out.get()

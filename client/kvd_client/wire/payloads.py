@@ -194,13 +194,15 @@ def keys_from_bytes(buf: bytes | memoryview) -> KeyList:
     return keys
 
 
-def decode_keys(value: Any, extras: Sequence[bytes], name: str) -> list[bytes]:
-    """A keys field: ``i`` (all of extra frame ``i``) or ``[i, start, stop]``
-    (keys ``start`` to ``stop`` of it, which a batch's fields share)."""
-    if type(value) is int:
-        if not 0 <= value < len(extras):
-            raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
-        return keys_from_bytes(extras[value])
+def _frame_index(value: int, extras: Sequence[bytes], name: str) -> int:
+    """A field's whole-frame reference, checked against the message's extras."""
+    if not 0 <= value < len(extras):
+        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
+    return value
+
+
+def _frame_slice(value: Any, extras: Sequence[bytes], name: str) -> tuple[int, int, int]:
+    """A field's ``[frame, start, stop]`` reference (frame checked; bounds are the caller's)."""
     if (
         type(value) is not list
         or len(value) != 3
@@ -212,8 +214,15 @@ def decode_keys(value: Any, extras: Sequence[bytes], name: str) -> list[bytes]:
             Code.INVALID, f"field {name!r}: expected a frame index or [frame, start, stop]"
         )
     index, start, stop = value
-    if not 0 <= index < len(extras):
-        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {index!r}")
+    return _frame_index(index, extras, name), start, stop
+
+
+def decode_keys(value: Any, extras: Sequence[bytes], name: str) -> list[bytes]:
+    """A keys field: ``i`` (all of extra frame ``i``) or ``[i, start, stop]``
+    (keys ``start`` to ``stop`` of it, which a batch's fields share)."""
+    if type(value) is int:
+        return keys_from_bytes(extras[_frame_index(value, extras, name)])
+    index, start, stop = _frame_slice(value, extras, name)
     buf = extras[index]
     if len(buf) % KEY_SIZE:
         raise ProtocolError(Code.INVALID, f"keys of {len(buf)} bytes are not {KEY_SIZE}-byte keys")
@@ -286,22 +295,8 @@ class TokenFrames(list[bytes]):
 def decode_tokens(value: Any, extras: Sequence[bytes], name: str) -> TokenArray:
     """A token field: ``i`` (all of extra frame ``i``) or ``[i, start, stop]`` (a slice of it)."""
     if type(value) is int:
-        if not 0 <= value < len(extras):
-            raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {value!r}")
-        return tokens_from_bytes(extras[value])
-    if (
-        type(value) is not list
-        or len(value) != 3
-        or type(value[0]) is not int
-        or type(value[1]) is not int
-        or type(value[2]) is not int
-    ):
-        raise ProtocolError(
-            Code.INVALID, f"field {name!r}: expected a frame index or [frame, start, stop]"
-        )
-    index, start, stop = value
-    if not 0 <= index < len(extras):
-        raise ProtocolError(Code.INVALID, f"field {name!r}: no extra frame {index!r}")
+        return tokens_from_bytes(extras[_frame_index(value, extras, name)])
+    index, start, stop = _frame_slice(value, extras, name)
     frames = extras if type(extras) is TokenFrames else TokenFrames(extras)
     arr, nonnegative = frames.tokens(index)
     if not 0 <= start <= stop <= arr.shape[0]:
