@@ -38,7 +38,6 @@ from kvd.engine.tier import Promotion, chain
 __all__ = ["Engine"]
 
 _KEY = operator.attrgetter("key")
-_BLOCK_ID = operator.attrgetter("block_id")
 #: The pool class of each ``EngineConfig.eviction`` setting.
 _POOLS: dict[str, type[BlockPool]] = {
     pool.policy: pool for pool in (BlockPool, FrequencyPool, AdaptivePool)
@@ -283,7 +282,7 @@ class Engine:
         self._queries += 1
         self._query_tokens += length
         self._hit_tokens += hit_tokens
-        return Allocation(list(map(_BLOCK_ID, table)), hit_tokens, out)
+        return Allocation([b.block_id for b in table], hit_tokens, out)
 
     def commit(self, sid: int, seq_id: str, n: int | None = None) -> Committed:
         """The first ``n`` tokens (all when None) are written. Full blocks
@@ -433,7 +432,7 @@ class Engine:
         table += taken
         seq.out = new_out
         self._accounts.charge(sess, usage, d_out)
-        return Appended(start, list(map(_BLOCK_ID, table[start:])), copies, new_length)
+        return Appended(start, [b.block_id for b in table[start:]], copies, new_length)
 
     def fork(
         self, sid: int, seq_id: str, child_id: str, reserve: int | None = None
@@ -480,7 +479,7 @@ class Engine:
         child.cow = partial
         sess.seqs[child_id] = child
         self._accounts.charge(sess, num_blocks + demand, demand)
-        return Forked(list(map(_BLOCK_ID, table)))
+        return Forked([b.block_id for b in table])
 
     def truncate(self, sid: int, seq_id: str, n: int) -> Truncated:
         """Keep the first ``n`` tokens: whole blocks past the new end are

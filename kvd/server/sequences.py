@@ -9,8 +9,7 @@ before the engine is called.
 
 from __future__ import annotations
 
-import array
-import sys
+import struct
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -23,18 +22,14 @@ from kvd.server.tiers import PendingPromotion, Tiers
 
 __all__ = ["SequenceHandlers", "block_bytes"]
 
-_LITTLE: Final = sys.byteorder == "little"
 #: The result map of kinds that answer nothing (free, unpin).
 _EMPTY: Final[dict[str, Any]] = {}
 
 
 def block_bytes(ids: Sequence[int]) -> bytes:
-    """Block ids as the wire's int32 little-endian bytes (an array module copy:
-    a fraction of numpy's cost for the few ids of one request)."""
-    arr = array.array("i", ids)
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
+    """Block ids as the wire's int32 little-endian bytes (one ``struct.pack``:
+    half an array module copy's cost from 16 ids up, within 0.1 us below)."""
+    return struct.pack(f"<{len(ids)}i", *ids)
 
 
 class SequenceHandlers:
