@@ -102,13 +102,6 @@ class Served:
         )
 
 
-def timed(op: Callable[..., object], *args: object) -> int:
-    """ns of ``op(*args)``."""
-    t0 = time.perf_counter_ns()
-    op(*args)
-    return time.perf_counter_ns() - t0
-
-
 #: The timed operations, in the order each round runs them (module docstring).
 OPS = (
     "allocate, no hit",
