@@ -38,7 +38,7 @@ from kvd_client import wire
 
 from bench._common import Figure, machine, print_table, write_results
 from kvd.config import load_config
-from kvd.engine import Engine, EngineConfig
+from kvd.engine import Engine
 from kvd.server.dispatch import Dispatcher
 from kvd.server.pools import Pools
 from kvd.server.sessions import SessionTable
@@ -89,18 +89,6 @@ class Served:
     def call(self, kind: type[wire.Request], **fields: Any) -> Any:
         return self.handle(self.frames(kind, **fields))
 
-    def engine_config(self) -> EngineConfig:
-        """The served engine's config, for an anchor engine of the same kind."""
-        cfg = self.config
-        return EngineConfig(
-            num_blocks=NUM_BLOCKS,
-            block_size=cfg.pools[0].block_size,
-            hash_seed=cfg.cache.hash_seed,
-            watermark_blocks=min(cfg.admission.watermark_blocks, NUM_BLOCKS),
-            events=cfg.events.enabled,
-            eviction=cfg.cache.eviction,
-        )
-
 
 #: The timed operations, in the order each round runs them (module docstring).
 OPS = (
@@ -149,7 +137,7 @@ def measure(repeat: int) -> dict[str, tuple[float, float]]:
     """(through the dispatcher, engine alone): median µs of each of ``OPS``, ``repeat`` rounds."""
     served = Served()
     served_engine = served.pools["default"].engine
-    eng = Engine(served.engine_config())
+    eng = Engine(served_engine.config)  # the same config, on its own
     eng.open_session(1)
     tokens = np.random.default_rng(0).integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32)
     nkeys = PROMPT_TOKENS // served.config.pools[0].block_size
