@@ -35,7 +35,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 
@@ -191,12 +191,12 @@ class Shadows:
                 elif len(where) >= size:
                     # The head oldest in units of weight goes, the lowest class on a tie.
                     best, score = 0, -1
-                    for c in _CLASS_RANGE:
-                        h = heads[c]
+                    for cls in _CLASS_RANGE:
+                        h = heads[cls]
                         if h >= 0:
-                            t = (now - h) * weights[c]
+                            t = (now - h) * weights[cls]
                             if t > score:
-                                best, score = c, t
+                                best, score = cls, t
                     queue = classes[best]
                     gone, _ = queue.popitem(last=False)
                     del where[gone]
@@ -275,7 +275,7 @@ class AdaptivePool(FrequencyPool):
 
     __slots__ = ("order", "sampled", "shadows")
 
-    policy = "adaptive"
+    policy: ClassVar[str] = "adaptive"
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
@@ -312,7 +312,7 @@ class AdaptivePool(FrequencyPool):
         segments are spliced at their queues' tails at the end, which puts
         them in release order as `FrequencyPool.release` would. Lowered counts
         never rise towards the tail, so each class's blocks are one segment."""
-        run = blocks if isinstance(blocks, list) else list(blocks)
+        run: list[Block] = blocks if isinstance(blocks, list) else list(blocks)
         uses = self.uses
         stamps = self.stamps
         clock = self.clock & _STAMP_MASK

@@ -1,8 +1,9 @@
-"""One physical KV block's metadata."""
+"""One physical KV block's metadata, and the loops over a list of blocks that
+the engine's other modules need (compiled with this one: setup.py)."""
 
 from __future__ import annotations
 
-__all__ = ["Block"]
+__all__ = ["Block", "idle", "ids"]
 
 
 class Block:
@@ -32,3 +33,17 @@ class Block:
     def __repr__(self) -> str:
         key = self.key.hex()[:12] if self.key is not None else None
         return f"Block({self.block_id}, ref={self.ref}, key={key})"
+
+
+def ids(blocks: list[Block]) -> list[int]:
+    """The ids of ``blocks``, in order."""
+    return [b.block_id for b in blocks]
+
+
+def idle(blocks: list[Block]) -> int:
+    """How many of ``blocks`` have no holder (``ref == 0``)."""
+    n = 0
+    for b in blocks:
+        if not b.ref:
+            n += 1
+    return n

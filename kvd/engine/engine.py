@@ -11,7 +11,7 @@ from kvd_client.wire.hashing import BlockHasher
 
 from kvd.engine.accounts import Accounts, SessionAccount
 from kvd.engine.adaptive import AdaptivePool
-from kvd.engine.block import Block
+from kvd.engine.block import Block, idle, ids
 from kvd.engine.checks import TokensLike, as_tokens, count, sequence_id
 from kvd.engine.config import EngineConfig
 from kvd.engine.errors import ExistsError, InvalidError, InvariantError, NotFoundError
@@ -240,7 +240,7 @@ class Engine:
                 )
             hits = ns.index.match(keys[:cap] if len(keys) > cap else keys)
         num_hits = len(hits)
-        idle_hits = [b.ref for b in hits].count(0)
+        idle_hits = idle(hits)
         refusal = self._accounts.admit(
             sess, num_blocks + out, num_blocks - num_hits + idle_hits + out, True
         )
@@ -282,7 +282,7 @@ class Engine:
         self._queries += 1
         self._query_tokens += length
         self._hit_tokens += hit_tokens
-        return Allocation([b.block_id for b in table], hit_tokens, out)
+        return Allocation(ids(table), hit_tokens, out)
 
     def commit(self, sid: int, seq_id: str, n: int | None = None) -> Committed:
         """The first ``n`` tokens (all when None) are written. Full blocks
@@ -432,7 +432,7 @@ class Engine:
         table += taken
         seq.out = new_out
         self._accounts.charge(sess, usage, d_out)
-        return Appended(start, [b.block_id for b in table[start:]], copies, new_length)
+        return Appended(start, ids(table[start:]), copies, new_length)
 
     def fork(
         self, sid: int, seq_id: str, child_id: str, reserve: int | None = None
@@ -479,7 +479,7 @@ class Engine:
         child.cow = partial
         sess.seqs[child_id] = child
         self._accounts.charge(sess, num_blocks + demand, demand)
-        return Forked([b.block_id for b in table])
+        return Forked(ids(table))
 
     def truncate(self, sid: int, seq_id: str, n: int) -> Truncated:
         """Keep the first ``n`` tokens: whole blocks past the new end are

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 from kvd.engine.block import Block
 from kvd.engine.block_queue import BlockQueue
@@ -62,10 +63,10 @@ class UseTable:
     __slots__ = ("counters", "size", "writes")
 
     #: A power of two: the hot paths test ``key[0] & (SAMPLE - 1)``.
-    SAMPLE = 64
+    SAMPLE: ClassVar[int] = 64
     #: Counters per sampled key (`_slots`).
-    PROBES = 2
-    BYTES_PER_BLOCK = 4
+    PROBES: ClassVar[int] = 2
+    BYTES_PER_BLOCK: ClassVar[int] = 4
 
     def __init__(self, num_blocks: int) -> None:
         self.size = max(64, self.BYTES_PER_BLOCK * num_blocks)
@@ -126,7 +127,7 @@ class FrequencyPool(BlockPool):
 
     __slots__ = ("classes", "clock", "ends", "stamps", "table", "tails", "uses")
 
-    policy = "frequency"
+    policy: ClassVar[str] = "frequency"
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from kvd_client.wire.hashing import KEY_SIZE, KeyList
 
 from kvd.engine.accounts import Accounts, HoldState, SessionAccount
-from kvd.engine.block import Block
+from kvd.engine.block import Block, idle, ids
 from kvd.engine.errors import InvalidError
 from kvd.engine.events import BlockRemoved, BlockStored, Event
 from kvd.engine.pool import BlockPool
@@ -97,13 +97,13 @@ class HoldTable:
         ns.hit_tokens += len(hits) * bs
         if not hold or not hits:
             return Looked(len(hits), [], 0)
-        idle = [b.ref for b in hits].count(0)
-        refusal = self._accounts.admit(sess, len(hits), idle, True)
+        idle_hits = idle(hits)
+        refusal = self._accounts.admit(sess, len(hits), idle_hits, True)
         if refusal is not None:
             return refusal
         self._pool.match(hits)
         made = self._new(sess, hits, granted=False)
-        return Looked(len(hits), [b.block_id for b in hits], made.hold_id)
+        return Looked(len(hits), ids(hits), made.hold_id)
 
     def grant(self, sess: SessionAccount, n: int) -> Granted | Refusal:
         """``n`` fresh, unkeyed blocks held for the session to write (all or nothing)."""
@@ -114,7 +114,7 @@ class HoldTable:
             return refusal
         blocks = self._take(n)
         made = self._new(sess, blocks, granted=True)
-        return Granted(made.hold_id, [b.block_id for b in blocks])
+        return Granted(made.hold_id, ids(blocks))
 
     def _take(self, n: int) -> list[Block]:
         """``n`` fresh blocks from the pool (admitted already), evictions told."""
@@ -135,17 +135,17 @@ class HoldTable:
         write (the ids of those); None, nothing changed, when it cannot be
         admitted. Neither a query nor a refusal is counted: the allocate that
         asked counts its own. ``sess`` has no quota of its own (a tier session)."""
-        idle = [b.ref for b in hits].count(0)
+        idle_hits = idle(hits)
         headroom = sess.namespace.headroom()
         if (headroom is not None and headroom < len(hits) + n) or self._accounts.available(
             sess, True
-        ) < idle + n:
+        ) < idle_hits + n:
             return None
         self._pool.match(hits)
         fresh = self._take(n)
         made = self._new(sess, hits + fresh, granted=False)
         made.granted.update(b.block_id for b in fresh)
-        return made.hold_id, [b.block_id for b in fresh]
+        return made.hold_id, ids(fresh)
 
     def find(self, sess: SessionAccount, hold_id: object) -> HoldState | None:
         """The hold ``hold_id`` if it exists in the session's namespace."""

@@ -8,6 +8,7 @@ evictions by use counts as well as recency.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 from kvd.engine.block import Block
 from kvd.engine.block_queue import BlockQueue
@@ -46,7 +47,7 @@ class BlockPool:
     )
 
     #: The ``eviction`` setting that selects this class.
-    policy = "lru"
+    policy: ClassVar[str] = "lru"
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
