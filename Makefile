@@ -4,9 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs openssl clean
+.PHONY: run test test-vllm lint typecheck imports unit venv redis ibverbs buildtools clean
 
-$(STAMP): pyproject.toml setup.py client/kvd_client/wire/_keys.c | openssl
+# The engine modules setup.py compiles with mypyc: a change to one rebuilds them.
+COMPILED := $(foreach m,block block_queue pool frequency adaptive,kvd/engine/$(m).py)
+
+$(STAMP): pyproject.toml setup.py client/kvd_client/wire/_keys.c $(COMPILED) | buildtools
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: any other version downloads several GB.
@@ -36,10 +39,12 @@ imports: $(STAMP)
 unit: $(STAMP) redis ibverbs
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-## openssl: a C compiler and OpenSSL's headers for the C block hasher (setup.py); apt where missing
-openssl:
+## buildtools: a C compiler, OpenSSL's and Python's headers for setup.py's extensions (the block hasher, the mypyc-compiled engine); apt where missing
+buildtools:
 	{ command -v cc >/dev/null && test -f /usr/include/openssl/sha.h; } || \
 		{ apt-get update -qq && apt-get install -y -qq gcc libssl-dev; }
+	$(PYTHON) -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' || \
+		{ apt-get update -qq && apt-get install -y -qq python3-dev; }
 
 ## redis: the redis-server the remote tier's tests start (on a free loopback port); no PyPI wheel ships it, so apt where missing
 redis:

@@ -13,7 +13,8 @@ DEST="$REPO/wheels"
 
 # The versions kvd is tested with (the project's .venv): kvd's requirements that the GPU
 # image lacks or may hold too old, and what each needs in turn (rich: markdown-it-py,
-# mdurl, pygments; anyio: idna, typing-extensions). numpy is not carried (the image's is used).
+# mdurl, pygments; anyio: idna, typing-extensions; mypy: the rest). numpy is not carried
+# (the image's is used).
 PACKAGES=(
     pyzmq==27.3.0
     structlog==26.1.0
@@ -26,6 +27,12 @@ PACKAGES=(
     anyio==4.16.0
     idna==3.20
     typing-extensions==4.16.0
+    # Build only: setup.py has mypyc compile the engine (gpu-check.sh's install step).
+    mypy==2.4.1
+    mypy-extensions==1.2.0
+    pathspec==1.1.1
+    librt==0.17.0
+    ast-serialize==0.13.1
 )
 
 while [ $# -gt 0 ]; do

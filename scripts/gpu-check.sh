@@ -254,14 +254,19 @@ step_install() {
     local src=$SCRATCH/src
     mkdir -p "$src"
     # setup.py builds the C block hasher (optional: without a compiler or OpenSSL's
-    # headers kvd installs with the Python hasher, which warns and is reported below).
+    # headers kvd installs with the Python hasher, which warns and is reported below)
+    # and the mypyc-compiled engine (not optional: kvd.engine warns where it is missing).
     cp -R "$REPO/pyproject.toml" "$REPO/setup.py" "$REPO/README.md" "$REPO/kvd" "$REPO/client" \
         "$src/" || return 1
     find "$src" -name __pycache__ -type d -prune -exec rm -rf {} +
     find "$src" -name '*.so' -delete  # this machine's builds: the copy builds its own
     local deps=${PYTHONPATH:-}
-    if bounded 180 "$PY" -m pip install --quiet --no-index --no-deps --no-build-isolation \
-            --target "$KVD_SITE" "$src"; then
+    # setup.py has mypyc compile the engine: mypy for the build only, from the wheels.
+    local tools=$SCRATCH/build-tools
+    bounded 120 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" \
+        --target "$tools" mypy==2.4.1 || say "mypy is not in $WHEELS: kvd cannot be built"
+    if (export PYTHONPATH=$tools${deps:+:$deps}; bounded 300 "$PY" -m pip install --quiet \
+            --no-index --no-deps --no-build-isolation --target "$KVD_SITE" "$src"); then
         export PYTHONPATH=$KVD_SITE${deps:+:$deps}
         NOTE="kvd installed with --no-deps"
     else

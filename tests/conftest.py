@@ -42,6 +42,24 @@ TINY_POOL = {
 READY_TIMEOUT_S = 30.0
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop before any test when a compiled engine module is older than its
+    source (edited since the last build): the tests would run the old code."""
+    engine = ROOT / "kvd" / "engine"
+    stale = [
+        so.name
+        for so in engine.glob("*.so")
+        if (src := engine / f"{so.name.split('.')[0]}.py").exists()
+        and src.stat().st_mtime > so.stat().st_mtime
+    ]
+    if stale:
+        pytest.exit(
+            f"compiled engine modules older than their source: {', '.join(sorted(stale))};"
+            " `make venv` (or `.venv/bin/pip install -e .`) compiles them again",
+            returncode=2,
+        )
+
+
 def clean_env() -> dict[str, str]:
     """The environment without KVD_* settings of whoever runs the tests."""
     return {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
