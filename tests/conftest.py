@@ -9,6 +9,7 @@ more (or restarts one on the same address).
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import shutil
 import signal
@@ -43,12 +44,14 @@ READY_TIMEOUT_S = 30.0
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Stop before any test when a compiled engine module is older than its
-    source (edited since the last build): the tests would run the old code."""
+    """Stop before any test when a compiled engine module of this interpreter
+    is older than its source (edited since the last build): the tests would run
+    the old code. Another Python's builds (another venv's) are not this run's."""
     engine = ROOT / "kvd" / "engine"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     stale = [
         so.name
-        for so in engine.glob("*.so")
+        for so in engine.glob(f"*{suffix}")
         if (src := engine / f"{so.name.split('.')[0]}.py").exists()
         and src.stat().st_mtime > so.stat().st_mtime
     ]
