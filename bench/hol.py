@@ -17,6 +17,11 @@ sides and only the daemon's scheduling differs:
   raises the probe's p99 several-fold over a pinging one (the scheduler's
   wake-up latency for the probe's, the daemon's and ZeroMQ's threads), so this
   anchor holds the CPU and the ratio is the daemon's share.
+- *prefill/bytes* (context, no goal): a neighbour sending the prefiller's frames
+  (the 256 KiB token frame and 128 KiB keys frame) as extras of a ping, then a
+  plain ping, on a raw DEALER; anchor: a pinging client. The same bytes through
+  both processes' ZeroMQ threads and the request thread's receive, without the
+  engine's work or the decoding: the transport's share of *prefill*'s ratio.
 - *batch*: one client sending a batch of 2,048 allocates (16 tokens each), then a
   batch of their 2,048 frees, repeatedly; anchor: a pinging client.
 - *pipeline*: four clients each keeping ``--window`` pings in flight (a raw DEALER
@@ -53,6 +58,8 @@ TARGET_PREFILL = 2.0
 #: Not the issue's number (it names none): "not much", read as the same goal.
 TARGET_PIPELINE = 2.0
 PROMPT_TOKENS = 65_536
+#: The pool's block size (`POOL` keeps the default).
+BLOCK_SIZE = 16
 #: Operations in each of the batch neighbour's two batches (16-token allocates, frees).
 BATCH_OPS = 2048
 #: Room for two live 65,536-token prompts (4,096 blocks each) and the probes.
@@ -66,12 +73,30 @@ def load_main(
     import numpy as np
     import zmq
     from kvd_client import Client, wire
+    from kvd_client.wire.hashing import KEY_SIZE
 
     ops = 0
-    if mode == "pipeline":
+    if mode in ("bytes", "pipeline"):  # a raw DEALER: pings need no session
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
+    if mode == "bytes":  # the prefiller's frames on pings (a ping ignores its extras)
+        rng = np.random.default_rng()
+        token_frame = rng.integers(0, 50_000, PROMPT_TOKENS, dtype=np.int32).tobytes()
+        keys_frame = rng.bytes(PROMPT_TOKENS // BLOCK_SIZE * KEY_SIZE)
+        heavy = [*wire.PingRequest(id=1).encode(), token_frame, keys_frame]
+        light = wire.PingRequest(id=2).encode()
+        ready.put(mode)
+        while not stop.is_set():
+            sock.send_multipart(heavy)  # the allocate's bytes
+            sock.recv_multipart()
+            sock.send_multipart(light)  # the free's round trip
+            sock.recv_multipart()
+            ops += 1
+        sock.close(0)
+        out.put(ops)
+        return
+    if mode == "pipeline":
         frames = wire.PingRequest(id=1).encode()
         ready.put(mode)
         for _ in range(window):
@@ -160,6 +185,7 @@ SCENARIOS: dict[str, tuple[list[str], list[str], float, str]] = {
     # name: (modes, anchor modes, target, anchor name)
     "prefill": (["prefill"], ["ping"], TARGET_PREFILL, "beside a pinging client"),
     "prefill+hash": (["prefill+hash"], ["hash"], TARGET_PREFILL, "beside a hashing client"),
+    "prefill/bytes": (["bytes"], ["ping"], float("inf"), "beside a pinging client"),
     "batch": (["batch"], ["ping"], TARGET_PREFILL, "beside a pinging client"),
     "pipeline": (["pipeline"] * 4, ["ping"] * 4, TARGET_PIPELINE, "beside 4 pinging clients"),
     "pipeline/cpu": (["pipeline"] * 4, ["spin"] * 4, TARGET_PIPELINE, "beside 4 spinning procs"),
@@ -169,6 +195,7 @@ MODES: Final = {
     "prefill": "allocate + free a 65,536-token prompt with its keys",
     "prefill+hash": "the same, the client hashing the keys each time",
     "hash": "hash a 65,536-token prompt's keys, send nothing",
+    "bytes": "the prefill's token and keys frames on a ping, then a ping (raw DEALER)",
     "batch": "a batch of 2,048 allocates of 16 tokens, then one of their frees",
     "ping": "kv.ping(), one at a time",
     "pipeline": "pings on a raw DEALER, --window in flight",
