@@ -238,7 +238,7 @@ class Engine:
                 raise InvalidError(
                     f"{length} tokens have {length // bs} full blocks, got {len(keys)} keys"
                 )
-            hits = ns.index.match(keys[:cap] if len(keys) > cap else keys)
+            hits = ns.index.match(keys, cap)
         num_hits = len(hits)
         idle_hits = idle(hits)
         refusal = self._accounts.admit(

@@ -29,17 +29,19 @@ class PrefixIndex(dict[bytes, Block]):
         super().__init__()
         self.owner = owner
 
-    def match(self, keys: Sequence[bytes]) -> list[Block]:
-        """The blocks of the longest run of leading ``keys`` present.
+    def match(self, keys: Sequence[bytes], stop: int | None = None) -> list[Block]:
+        """The blocks of the longest run of leading ``keys`` present, among
+        the first ``stop`` (all when None; a bound, not a copy of the keys).
 
         Looked up in doubling chunks (C-level ``map`` over each), so a miss
         stops the scan within twice the hit's length: a 4,096-block prompt
         that misses at once costs one chunk, not 4,096 lookups."""
         get = self.get
         found: list[Block] = []
-        start, step, n = 0, _FIRST_CHUNK, len(keys)
+        n = len(keys) if stop is None else min(stop, len(keys))
+        start, step = 0, _FIRST_CHUNK
         while start < n:
-            chunk = list(map(get, keys[start : start + step]))
+            chunk = list(map(get, keys[start : min(start + step, n)]))
             try:
                 del chunk[chunk.index(None) :]
             except ValueError:  # every key of the chunk matched

@@ -24,3 +24,14 @@ def test_match_stops_at_the_first_miss() -> None:
 def test_match_of_nothing_is_empty() -> None:
     assert PrefixIndex().match([]) == []
     assert PrefixIndex().match([b"x"]) == []
+
+
+def test_match_looks_no_further_than_stop() -> None:
+    """A bound inside a chunk and past the keys alike (40 keys: three chunks)."""
+    index = PrefixIndex()
+    keys = [bytes([i]) for i in range(40)]
+    for i, key in enumerate(keys):
+        index[key] = Block(i)
+    for stop in (0, 1, 15, 16, 17, 39, 40, 41):
+        assert [blk.block_id for blk in index.match(keys, stop)] == list(range(min(stop, 40)))
+    assert len(index.match(keys, None)) == 40
