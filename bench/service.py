@@ -15,9 +15,11 @@ their keys) on a pool of two prompts' blocks and 64 more, flushed before each ro
 - allocate with no hit when only 64 blocks are free (4,032 cached blocks evicted).
 
 Each beside the same call on the engine alone (`Engine.allocate`/`commit`/`free`,
-an engine of the same config, in the same run): the difference is what the
-request path adds (decoding the message and its keys frame, the reply's block
-ids). Medians of ``--repeat`` timings, wall clock; compare ratios.
+an engine of the same config, in the same run, the keys handed over as the
+request path hands them: a `KeyList` freshly cut from a keys frame before the
+clock, so no key's hash is cached and none is the very object the index holds):
+the difference is what the request path adds (decoding the message and cutting
+its keys frame, the reply's block ids). Medians of ``--repeat`` timings, wall clock; compare ratios.
 
 Run: ``.venv/bin/python -m bench.service [--repeat 200] [--json]``.
 """
@@ -153,7 +155,9 @@ def measure(repeat: int) -> dict[str, tuple[float, float]]:
 
     def alone(op: str, seq: str, keys: list[bytes] | None) -> Callable[[], object]:
         if op == "allocate":
-            return partial(eng.allocate, 1, seq, tokens, None, keys)
+            assert keys is not None  # every allocate of `one_round` has its keys
+            fresh = wire.keys_from_bytes(b"".join(keys))
+            return partial(eng.allocate, 1, seq, tokens, None, fresh)
         return partial(eng.commit if op == "commit" else eng.free, 1, seq)
 
     times: tuple[list[list[int]], list[list[int]]] = ([[] for _ in OPS], [[] for _ in OPS])
