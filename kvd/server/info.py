@@ -19,10 +19,11 @@ from typing import Any, Final
 
 import structlog
 from kvd_client import wire
+from kvd_client.wire import hashing
 
 import kvd
 from kvd.config import reload_keys
-from kvd.engine import EngineStats, InvariantError
+from kvd.engine import COMPILED, EngineStats, InvariantError
 from kvd.errors import RequestError
 from kvd.server.context import Call, Outcome, ServerState
 from kvd.server.freezer import gc_stats
@@ -33,6 +34,13 @@ __all__ = ["CLIENTS_LISTED", "Info"]
 CLIENTS_LISTED: Final = 1024
 
 log = structlog.get_logger("kvd.server")
+
+
+def compiled() -> dict[str, bool]:
+    """Which hot paths run compiled: the engine's per-block modules (mypyc) and
+    the block-key hasher (C). False means an install without its build: the
+    daemon is correct, and several times slower on long prompts."""
+    return {"engine": COMPILED, "block_keys": hashing.IMPLEMENTATION == "c"}
 
 
 def block_counts(stats: EngineStats) -> dict[str, int]:
@@ -135,6 +143,7 @@ class Info:
                 "address": state.addresses[0],
                 "addresses": state.addresses,
                 "state": "draining" if state.draining else "serving",
+                "compiled": compiled(),
             },
             "pools": {
                 pool.name: {

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import structlog.testing
 from kvd_client import wire
+from kvd_client.wire import hashing
 
 from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
@@ -520,6 +521,16 @@ def test_stats_sections(h: Harness) -> None:
     only = h.ok(wire.StatsRequest(id=2, sections=["blocks"]))["info"]
     assert set(only) == {"blocks"}
     assert h.err(wire.StatsRequest(id=3, sections=["nope"])).code == wire.Code.INVALID
+
+
+def test_stats_say_what_runs_compiled(h: Harness) -> None:
+    """The suite runs the compiled build (`make test`): the stats say so."""
+    h.hello()
+    info = h.ok(wire.StatsRequest(id=1, sections=["server"]))["info"]
+    assert info["server"]["compiled"] == {
+        "engine": True,
+        "block_keys": hashing.IMPLEMENTATION == "c",
+    }
 
 
 def test_clients_and_pools_listings(h: Harness) -> None:
