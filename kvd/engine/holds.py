@@ -144,8 +144,9 @@ class HoldTable:
         self._pool.match(hits)
         fresh = self._take(n)
         made = self._new(sess, hits + fresh, granted=False)
-        made.granted.update(b.block_id for b in fresh)
-        return made.hold_id, ids(fresh)
+        fresh_ids = ids(fresh)
+        made.granted.update(fresh_ids)
+        return made.hold_id, fresh_ids
 
     def find(self, sess: SessionAccount, hold_id: object) -> HoldState | None:
         """The hold ``hold_id`` if it exists in the session's namespace."""
