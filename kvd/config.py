@@ -501,6 +501,8 @@ class SecurityConfig:
     max_tokens_per_request: int = 0
     #: Sequences one session may hold at once; 0 = no limit.
     max_sequences_per_session: int = 4096
+    #: Block references one session may have in pins and holds together; 0 = no limit.
+    max_held_blocks_per_session: int = 1 << 20
 
     def __post_init__(self) -> None:
         for principal, patterns in self.namespaces.items():
@@ -524,6 +526,11 @@ class SecurityConfig:
         _require(
             self.max_sequences_per_session >= 0,
             "max_sequences_per_session",
+            "must be >= 0 (0 = no limit)",
+        )
+        _require(
+            self.max_held_blocks_per_session >= 0,
+            "max_held_blocks_per_session",
             "must be >= 0 (0 = no limit)",
         )
 

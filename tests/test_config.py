@@ -213,12 +213,13 @@ def test_a_tcp_endpoint_with_curve_is_accepted(key: str) -> None:
     assert config.server.curve_clients_dir == "/k"
 
 
-def test_security_defaults_enforce_nothing_but_the_sequence_cap() -> None:
+def test_security_defaults_enforce_nothing_but_the_per_session_caps() -> None:
     sec = Config().security
     assert not sec.enforce_namespaces
     assert (sec.namespaces, sec.admins, sec.rate_limit) == ({}, (), 0.0)
     assert sec.max_tokens_per_request == 0
     assert sec.max_sequences_per_session == 4096
+    assert sec.max_held_blocks_per_session == 1 << 20
 
 
 def test_security_section_from_file(tmp_path: Path) -> None:
@@ -241,6 +242,7 @@ def test_security_section_from_file(tmp_path: Path) -> None:
         ("[security]\nrate_burst = 0\n", "security.rate_burst"),
         ("[security]\nmax_tokens_per_request = -1\n", "security.max_tokens_per_request"),
         ("[security]\nmax_sequences_per_session = -1\n", "security.max_sequences_per_session"),
+        ("[security]\nmax_held_blocks_per_session = -1\n", "security.max_held_blocks_per_session"),
         ('[security]\nadmins = ["root"]\n', "security.admins"),
         ('[security]\nadmins = "uid:0"\n', "security.admins"),
         ('[security.namespaces]\n"uid:x" = ["a"]\n', "security.namespaces.uid:x"),

@@ -77,9 +77,11 @@ class SessionAccount(Account):
 
     ``pending`` holds the sources of copies named in the session's last
     reply: each keeps one ref (and one block of usage) until the session's
-    next engine call, by which time the client has copied from it."""
+    next engine call, by which time the client has copied from it. ``held``
+    counts the block references in its pins (an empty pin counts one) and
+    holds (`Accounts.over_held`)."""
 
-    __slots__ = ("adapter", "holds", "namespace", "pending", "pins", "seqs", "sid")
+    __slots__ = ("adapter", "held", "holds", "namespace", "pending", "pins", "seqs", "sid")
 
     def __init__(
         self,
@@ -97,6 +99,7 @@ class SessionAccount(Account):
         self.pins: dict[int, list[Block]] = {}
         #: The holds this session made (`kvd.engine.holds`), by id.
         self.holds: dict[int, HoldState] = {}
+        self.held = 0
         self.pending: list[Block] = []
 
     def __repr__(self) -> str:
@@ -145,10 +148,13 @@ class Accounts:
 
     ``outstanding`` is the sum of every sequence's blocks held in reserve;
     ``minimums`` counts the accounts with a guaranteed minimum (none: the
-    minimums cost admission nothing); ``refusals`` counts refusals by code.
+    minimums cost admission nothing); ``refusals`` counts admission's
+    refusals by code; ``max_held``: block references a session may have in
+    pins and holds (0: no limit).
     """
 
     __slots__ = (
+        "max_held",
         "minimums",
         "namespaces",
         "outstanding",
@@ -158,9 +164,10 @@ class Accounts:
         "watermark",
     )
 
-    def __init__(self, pool: BlockPool, watermark: int) -> None:
+    def __init__(self, pool: BlockPool, watermark: int, max_held: int = 0) -> None:
         self.pool = pool
         self.watermark = watermark
+        self.max_held = max_held
         self.sessions: dict[int, SessionAccount] = {}
         self.namespaces: dict[str, NamespaceAccount] = {}
         self.outstanding = 0
@@ -295,6 +302,19 @@ class Accounts:
                     Code.OUT_OF_BLOCKS,
                     f"needs {demand} blocks, {max(avail, 0)} available",
                 )
+        return None
+
+    def over_held(self, sess: SessionAccount, more: int) -> Refusal | None:
+        """TOO_LARGE when ``more`` block references in pins and holds would take
+        ``sess`` past ``max_held``. Not an admission refusal (the pool may have
+        room): the limit bounds what one client makes the daemon remember."""
+        cap = self.max_held
+        if cap and sess.held + more > cap:
+            return Refusal(
+                Code.TOO_LARGE,
+                f"session {sess.sid} would hold {sess.held + more} block references in pins "
+                f"and holds (limit {cap}); unpin or release some",
+            )
         return None
 
     def charge(self, sess: SessionAccount, usage: int, out: int) -> None:

@@ -35,6 +35,11 @@ class EngineConfig:
     (`kvd.engine.tier`; 0: no tier); ``tier_level``: 1 host memory, 2 a
     remote store shared by several nodes. ``remote_blocks``: slots of a
     remote tier below a host one (a chain, `kvd.engine.tier.chain`; 0: none).
+    ``max_held_per_session``: block references one session may have in its
+    holds and pins together (a block held twice counts twice, an empty pin
+    one; 0: no limit);
+    each costs the daemon's heap, and nothing else bounds repeated holds of
+    the same cached blocks.
     """
 
     num_blocks: int
@@ -46,6 +51,7 @@ class EngineConfig:
     tier_blocks: int = 0
     tier_level: int = 1
     remote_blocks: int = 0
+    max_held_per_session: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
@@ -66,6 +72,10 @@ class EngineConfig:
             raise InvalidError(f"tier_level must be 1 or 2, got {self.tier_level!r}")
         if not _is_int(self.remote_blocks) or self.remote_blocks < 0:
             raise InvalidError(f"remote_blocks must be an int >= 0, got {self.remote_blocks!r}")
+        if not _is_int(self.max_held_per_session) or self.max_held_per_session < 0:
+            raise InvalidError(
+                f"max_held_per_session must be an int >= 0, got {self.max_held_per_session!r}"
+            )
         if self.remote_blocks and not (self.tier_blocks and self.tier_level == 1):
             raise InvalidError("remote_blocks needs a host tier above it (tier_blocks, level 1)")
         if self.eviction not in EVICTION_POLICIES:

@@ -71,7 +71,7 @@ class Engine:
         self.block_size = config.block_size
         self._pool = _POOLS[config.eviction](config.num_blocks)
         self._hasher = BlockHasher(config.block_size, config.hash_seed)
-        self._accounts = Accounts(self._pool, config.watermark_blocks)
+        self._accounts = Accounts(self._pool, config.watermark_blocks, config.max_held_per_session)
         #: The accounts' session table, looked up by every call.
         self._sessions = self._accounts.sessions
         self._emit = config.events
@@ -563,7 +563,10 @@ class Engine:
             if block.key is None:
                 break
             blocks.append(block)
-        refusal = self._accounts.admit(sess, len(blocks), 0, False)
+        accounts = self._accounts
+        # An empty pin is a record too: it counts as one reference.
+        refs = len(blocks) or 1
+        refusal = accounts.over_held(sess, refs) or accounts.admit(sess, len(blocks), 0, False)
         if refusal is not None:
             return refusal
         pins = self._pins
@@ -572,7 +575,8 @@ class Engine:
             pins[block] = pins.get(block, 0) + 1
         pin_id = next(self._pin_ids)
         sess.pins[pin_id] = blocks
-        self._accounts.charge(sess, len(blocks), 0)
+        sess.held += refs
+        accounts.charge(sess, len(blocks), 0)
         return Pinned(pin_id, len(blocks))
 
     def unpin(self, sid: int, pin_id: int) -> None:
@@ -590,6 +594,7 @@ class Engine:
             else:
                 del pins[block]
         self._pool.release(reversed(blocks))
+        sess.held -= len(blocks) or 1
         self._accounts.charge(sess, -len(blocks), 0)
 
     # ------------------------------------------------------------------

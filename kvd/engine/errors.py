@@ -29,6 +29,8 @@ class Code(enum.StrEnum):
     OUT_OF_BLOCKS = "OUT_OF_BLOCKS"
     #: A session's or namespace's hard quota would be exceeded.
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    #: A session would hold more block references (holds and pins) than allowed.
+    TOO_LARGE = "TOO_LARGE"
     #: No such session, sequence or pin (or it belongs to another session).
     NOT_FOUND = "NOT_FOUND"
     #: A session or sequence with that id already exists.

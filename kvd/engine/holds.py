@@ -81,6 +81,7 @@ class HoldTable:
             hold_id = secrets.randbits(63)
         hold = HoldState(hold_id, owner, blocks, granted)
         self.holds[hold_id] = owner.holds[hold_id] = hold
+        owner.held += len(blocks)
         self._accounts.charge(owner, len(blocks), 0)
         return hold
 
@@ -97,8 +98,10 @@ class HoldTable:
         ns.hit_tokens += len(hits) * bs
         if not hold or not hits:
             return Looked(len(hits), [], 0)
-        idle_hits = idle(hits)
-        refusal = self._accounts.admit(sess, len(hits), idle_hits, True)
+        accounts = self._accounts
+        refusal = accounts.over_held(sess, len(hits)) or accounts.admit(
+            sess, len(hits), idle(hits), True
+        )
         if refusal is not None:
             return refusal
         self._pool.match(hits)
@@ -109,7 +112,8 @@ class HoldTable:
         """``n`` fresh, unkeyed blocks held for the session to write (all or nothing)."""
         if type(n) is not int or n < 1:
             raise InvalidError(f"n must be a positive integer, got {n!r}")
-        refusal = self._accounts.admit(sess, n, n, True)
+        accounts = self._accounts
+        refusal = accounts.over_held(sess, n) or accounts.admit(sess, n, n, True)
         if refusal is not None:
             return refusal
         blocks = self._take(n)
@@ -259,6 +263,7 @@ class HoldTable:
             del self.holds[hold.hold_id]
             del hold.owner.holds[hold.hold_id]
         self._pool.release(reversed(blocks))
+        hold.owner.held -= len(blocks)
         self._accounts.charge(hold.owner, -len(blocks), 0)
         return len(blocks)
 

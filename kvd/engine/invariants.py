@@ -139,6 +139,10 @@ def _session_problems(
             if bid not in hold.blocks or hold.blocks[bid].key is not None:
                 problems.append(f"session {sid} hold {hold_id}: granted block {bid} not unkeyed")
         usage += len(hold.blocks)
+    held = sum(len(p) or 1 for p in sess.pins.values())
+    held += sum(len(h.blocks) for h in sess.holds.values())
+    if held != sess.held:
+        problems.append(f"session {sid}: {sess.held} block references held, recomputed {held}")
     for block in sess.pending:
         holders[block.block_id] += 1
     usage += len(sess.pending)

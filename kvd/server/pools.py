@@ -223,6 +223,7 @@ class Pools:
                 tier_blocks=pool.tier_blocks or remote,
                 tier_level=1 if pool.tier_blocks else 2,
                 remote_blocks=remote if pool.tier_blocks else 0,
+                max_held_per_session=self.config.security.max_held_blocks_per_session,
             )
         )
         for ns, limits in adm.namespaces.items():

@@ -79,7 +79,9 @@ def snapshot(eng: Engine | Checked) -> dict[str, Any]:
         "sessions": {
             sid: (
                 s.usage,
+                s.held,
                 {pid: [b.block_id for b in blocks] for pid, blocks in s.pins.items()},
+                {hid: sorted(h.blocks) for hid, h in s.holds.items()},
                 {
                     q: (
                         seq.tokens[: seq.length].tolist(),

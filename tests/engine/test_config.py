@@ -31,6 +31,7 @@ def test_defaults_match_vllm() -> None:
         {"num_blocks": 8, "watermark_blocks": 9},
         {"num_blocks": 8, "events": 1},
         {"num_blocks": 8, "eviction": "lfu"},
+        {"num_blocks": 8, "max_held_per_session": -1},
     ],
 )
 def test_bad_settings_are_invalid(kwargs: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from kvd.engine import Allocation, Code, InvalidError, NotFoundError, Pinned, Refusal
 
-from .support import Checked, MakeEngine, toks
+from .support import Checked, MakeEngine, snapshot, toks
 
 
 def alloc(eng: Checked, seq: str, tokens: np.ndarray, sid: int = 1) -> Allocation:
@@ -129,3 +129,40 @@ def test_a_closed_session_is_gone(eng: Checked) -> None:
     eng.close_session(1)
     with pytest.raises(NotFoundError):
         eng.allocate(1, "a", toks(3))
+
+
+def test_a_pin_past_the_held_limit_is_refused_and_changes_nothing(make_engine: MakeEngine) -> None:
+    eng = make_engine(max_held_per_session=5)
+    alloc(eng, "a", toks(9))
+    eng.commit(1, "a")
+    pin(eng, "a")
+    pin(eng, "a")
+    before = snapshot(eng)
+    r = eng.pin(1, "a")
+    assert isinstance(r, Refusal) and r.code is Code.TOO_LARGE
+    assert "would hold 6 block references" in r.message and "limit 5" in r.message
+    assert snapshot(eng) == before
+
+
+def test_an_unpin_makes_room_under_the_held_limit(make_engine: MakeEngine) -> None:
+    eng = make_engine(max_held_per_session=2)
+    alloc(eng, "a", toks(9))
+    eng.commit(1, "a")
+    first = pin(eng, "a")
+    assert isinstance(eng.pin(1, "a"), Refusal)
+    eng.unpin(1, first.pin_id)
+    assert pin(eng, "a").blocks == 2
+
+
+def test_an_empty_pin_counts_one_reference_against_the_held_limit(
+    make_engine: MakeEngine,
+) -> None:
+    eng = make_engine(max_held_per_session=2)
+    alloc(eng, "a", toks(3))  # no full block: every pin of it is empty
+    first = pin(eng, "a")
+    assert first.blocks == 0
+    pin(eng, "a")
+    r = eng.pin(1, "a")
+    assert isinstance(r, Refusal) and r.code is Code.TOO_LARGE
+    eng.unpin(1, first.pin_id)
+    assert pin(eng, "a").blocks == 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from kvd_client.wire.hashing import BlockHasher
 
-from kvd.engine import Engine, EngineConfig, Granted, InvalidError, Looked, Refusal
+from kvd.engine import Code, Engine, EngineConfig, Granted, InvalidError, Looked, Refusal
 
-from .support import BS, Checked, toks
+from .support import BS, Checked, snapshot, toks
 
 
 @pytest.fixture
@@ -98,3 +98,40 @@ def test_client_keys_on_allocate_match_the_engine_s_own(eng: Checked) -> None:
 def test_allocate_refuses_a_wrong_number_of_keys(eng: Checked) -> None:
     with pytest.raises(InvalidError, match="full blocks"):
         eng.allocate(1, "a", toks(2 * BS), keys=keys(1))
+
+
+def test_holds_past_the_held_limit_are_refused_and_change_nothing() -> None:
+    eng = Checked(Engine(EngineConfig(num_blocks=8, block_size=BS, max_held_per_session=3)))
+    eng.open_session(1)
+    g = eng.grant(1, 2)
+    assert isinstance(g, Granted)
+    eng.publish(1, g.hold_id, g.blocks, keys(2), tokens=toks(2 * BS))
+    before = snapshot(eng)
+    del before["stats"]  # a refused lookup still counts as a prefix query
+    for refused in (eng.lookup(1, keys(2), hold=True), eng.grant(1, 2)):
+        assert isinstance(refused, Refusal) and refused.code is Code.TOO_LARGE
+        assert "would hold 4 block references" in refused.message
+    after = snapshot(eng)
+    del after["stats"]
+    assert after == before
+    assert isinstance(eng.grant(1, 1), Granted)  # within the limit
+
+
+def test_a_release_makes_room_under_the_held_limit() -> None:
+    eng = Checked(Engine(EngineConfig(num_blocks=8, block_size=BS, max_held_per_session=2)))
+    eng.open_session(1)
+    g = eng.grant(1, 2)
+    assert isinstance(g, Granted)
+    assert isinstance(eng.grant(1, 1), Refusal)
+    assert eng.release(1, g.hold_id, [g.blocks[0]]) == 1
+    assert isinstance(eng.grant(1, 1), Granted)
+
+
+def test_a_lookup_without_hold_ignores_the_held_limit() -> None:
+    eng = Checked(Engine(EngineConfig(num_blocks=8, block_size=BS, max_held_per_session=1)))
+    eng.open_session(1)
+    g = eng.grant(1, 1)
+    assert isinstance(g, Granted)
+    eng.publish(1, g.hold_id, g.blocks, keys(1), tokens=toks(BS))
+    found = eng.lookup(1, keys(1))
+    assert isinstance(found, Looked) and found.cached == 1

@@ -28,5 +28,12 @@ def test_check_invariants_lists_every_problem(eng: Checked) -> None:
     assert any("outstanding reservations 2" in p for p in problems)
 
 
+def test_check_invariants_recounts_the_references_held_in_pins_and_holds(eng: Checked) -> None:
+    raw: Engine = eng.engine
+    raw._sessions[1].held += 1
+    with pytest.raises(AssertionError, match="1 block references held, recomputed 0"):
+        raw.check_invariants()
+
+
 def test_a_fresh_engine_satisfies_its_invariants() -> None:
     Engine(EngineConfig(num_blocks=4)).check_invariants()

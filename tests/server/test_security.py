@@ -512,6 +512,27 @@ def test_request_limits_refuse_too_many_tokens_and_sequences(start_kvd) -> None:
     assert daemon.check()["ok"] is True
 
 
+def test_pins_and_holds_past_the_held_limit_are_refused(start_kvd) -> None:
+    daemon = start_kvd(overrides={"security.max_held_blocks_per_session": "4"})
+    with _connect(daemon.address) as kv:
+        seq = kv.allocate("a", _tokens(32))  # two full blocks of the default size 16
+        seq.commit()
+        seq.pin()
+        held = kv.lookup(kv.block_keys(_tokens(32)), hold=True)
+        assert held.cached == 2
+        with pytest.raises(TooLarge, match="would hold 6 block references"):
+            seq.pin()
+        with pytest.raises(TooLarge, match="would hold 6 block references"):
+            kv.lookup(kv.block_keys(_tokens(32)), hold=True)
+        with pytest.raises(TooLarge, match="would hold 5 block references"):
+            kv.grant(1)
+        assert kv.release(held.hold) == 2
+        kv.grant(2)
+        stats = daemon.stats()
+    assert stats["rpc"]["errors"]["TOO_LARGE"] == 3
+    assert daemon.check()["ok"] is True
+
+
 @pytest.fixture
 def curve_certs(tmp_path: Path) -> dict[str, Path]:
     keys = tmp_path / "keys"
