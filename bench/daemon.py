@@ -15,6 +15,11 @@ allocates the next prompt. A fresh daemon (``python -m kvd.cli`` on a temporary
 socket, the bench's pool: 8,192 blocks of a tiny layout, metadata is what is timed)
 serves each run, so every run starts cold like the in-process replays.
 
+Beside the figures, where one request's time goes with 1 client (last run): the
+client process's CPU, the daemon's Python threads' (its request thread and event
+loop) and its ZeroMQ I/O thread's, from ``/proc`` (Linux), per request, against
+the wall-clock time per request and the in-process engine's.
+
 Figures per workload, each the median of ``--repeat`` runs, all in wall-clock time
 (several processes): aggregate requests/s with 1 and with 4 clients (from the moment
 all clients are connected to the last one's end), beside the in-process engine
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,13 +67,14 @@ POOL = {
 
 @dataclass(frozen=True, slots=True)
 class ClientRun:
-    """One client's share: requests, wall-clock span, hit and prompt tokens."""
+    """One client's share: requests, wall-clock span, hit and prompt tokens, CPU seconds."""
 
     requests: int
     start: float
     end: float
     hit_tokens: int
     prompt_tokens: int
+    cpu: float
 
 
 def client_main(
@@ -94,6 +101,7 @@ def client_main(
         results.put(("ready", index))
         go.wait()
         start = time.monotonic()
+        cpu0 = time.process_time()
         for i, prompt in enumerate(prompts):
             with kv.batch() as b:
                 if pending is not None:
@@ -117,11 +125,46 @@ def client_main(
                 b.commit(old)
                 b.free(old)
         end = time.monotonic()
-    results.put(("done", ClientRun(len(prompts), start, end, hit, sum(map(len, prompts)))))
+        cpu = time.process_time() - cpu0
+    run = ClientRun(len(prompts), start, end, hit, sum(map(len, prompts)), cpu)
+    results.put(("done", run))
 
 
-def run_clients(name: str, requests: int, clients: int) -> tuple[float, float]:
-    """A fresh daemon, ``clients`` client processes: (aggregate requests/s, hit ratio)."""
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of process ``pid``'s threads so far: ZeroMQ's I/O threads
+    (``zmq``) and the rest (``python``: Python threads are not named in /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"python": 0.0, "zmq": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the name.
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        out["zmq" if name.startswith("ZMQbg") else "python"] += cpu
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Clients:
+    """One run of `run_clients`: aggregate requests/s, hit ratio, CPU per request
+    (µs: the clients', the daemon's Python threads' and its ZeroMQ threads'),
+    wall-clock µs per request of one client."""
+
+    rate: float
+    hit_ratio: float
+    client_us: float
+    daemon_python_us: float
+    daemon_zmq_us: float
+    wall_us: float
+
+
+def run_clients(name: str, requests: int, clients: int) -> Clients:
+    """A fresh daemon, ``clients`` client processes, timed from ``go`` to the last one's end."""
     ctx = mp.get_context("spawn")
     with run_daemon(POOL) as daemon:
         go = ctx.Event()
@@ -146,19 +189,28 @@ def run_clients(name: str, requests: int, clients: int) -> tuple[float, float]:
         for _ in procs:
             kind, _index = results.get(timeout=120)
             assert kind == "ready"
+        before = thread_cpu(daemon.proc.pid)
         go.set()
         runs: list[ClientRun] = []
         for _ in procs:
             kind, run = results.get(timeout=600)
             assert kind == "done"
             runs.append(run)
+        after = thread_cpu(daemon.proc.pid)
         for p in procs:
             p.join(timeout=30)
             if p.exitcode != 0:
                 raise RuntimeError(f"client process exited with {p.exitcode}")
     span = max(r.end for r in runs) - min(r.start for r in runs)
-    hit = sum(r.hit_tokens for r in runs) / sum(r.prompt_tokens for r in runs)
-    return sum(r.requests for r in runs) / span, hit
+    done = sum(r.requests for r in runs)
+    return Clients(
+        rate=done / span,
+        hit_ratio=sum(r.hit_tokens for r in runs) / sum(r.prompt_tokens for r in runs),
+        client_us=sum(r.cpu for r in runs) / done * 1e6,
+        daemon_python_us=(after["python"] - before["python"]) / done * 1e6,
+        daemon_zmq_us=(after["zmq"] - before["zmq"]) / done * 1e6,
+        wall_us=statistics.median((r.end - r.start) / r.requests for r in runs) * 1e6,
+    )
 
 
 def _vllm_in_process() -> bool:
@@ -193,8 +245,11 @@ def main() -> None:
                 rps["vllm"].append(v.requests / v.seconds)
                 hits["vllm"] = v.hit_ratio
             for n in (1, 4):
-                rate, hits[f"{n}c"] = run_clients(name, args.requests, n)
-                rps[f"{n}c"].append(rate)
+                run = run_clients(name, args.requests, n)
+                rps[f"{n}c"].append(run.rate)
+                hits[f"{n}c"] = run.hit_ratio
+                if n == 1:
+                    one_client = run
         med = {k: statistics.median(v) for k, v in rps.items()}
         if anchors is not None:
             med["vllm"], hits["vllm"] = anchors[name]["e2e"], anchors[name]["hit_ratio"]
@@ -205,6 +260,12 @@ def main() -> None:
             f"{100 * hits['1c']:.2f} %, 4 clients {100 * hits['4c']:.2f} %, "
             f"in-process engine {100 * hits['engine']:.2f} %"
             + (f", vLLM {100 * hits['vllm']:.2f} %" if "vllm" in hits else "")
+        )
+        c = one_client
+        print(
+            f"{short}, 1 client, per request (last run): wall {c.wall_us:.0f} us; CPU: client "
+            f"{c.client_us:.0f} us, daemon Python threads {c.daemon_python_us:.0f} us, daemon "
+            f"ZeroMQ I/O {c.daemon_zmq_us:.0f} us; in-process engine {1e6 / med['engine']:.0f} us"
         )
         if "vllm" in med:
             figures.append(
