@@ -463,10 +463,13 @@ class Engine:
         self._pool.touch(table)
         seq.cow = seq.cow or partial
         seq.out = parent_out
+        # The token buffer is shared until either side writes (n-way sampling
+        # forks a long prompt many times; a copy each was 80% of a fork's heap).
+        seq.shared = True
         child = SequenceState(
             child_id,
             seq.epoch,
-            tokens=seq.tokens.copy(),
+            tokens=seq.tokens,
             length=length,
             table=table[:],
             keys=seq.keys[:],
@@ -477,6 +480,7 @@ class Engine:
         )
         child.committed = seq.committed
         child.cow = partial
+        child.shared = True
         sess.seqs[child_id] = child
         self._accounts.charge(sess, num_blocks + demand, demand)
         return Forked(ids(table))

@@ -38,6 +38,7 @@ def check_invariants(
         outstanding += reserved
         ns_usage[sess.namespace.name] += usage
     _hold_problems(accounts, holds, problems)
+    _buffer_problems(accounts, problems)
     _namespace_problems(accounts, ns_usage, problems)
     if outstanding != accounts.outstanding:
         problems.append(
@@ -151,6 +152,21 @@ def _session_problems(
     if sess.quota is not None and usage > sess.quota:
         problems.append(f"session {sid}: usage {usage} exceeds quota {sess.quota}")
     return usage, reserved
+
+
+def _buffer_problems(accounts: Accounts, problems: list[str]) -> None:
+    """A token buffer that several sequences have is marked shared in each
+    (else a write by one would change the others' tokens)."""
+    owners: dict[int, list[str]] = {}
+    unshared: set[int] = set()
+    for sid, sess in accounts.sessions.items():
+        for seq_id, seq in sess.seqs.items():
+            owners.setdefault(id(seq.tokens), []).append(f"{sid}/{seq_id}")
+            if not seq.shared:
+                unshared.add(id(seq.tokens))
+    for buf, names in owners.items():
+        if len(names) > 1 and buf in unshared:
+            problems.append(f"sequences {names} share a token buffer not marked shared")
 
 
 def _hold_problems(accounts: Accounts, holds: dict[int, HoldState], problems: list[str]) -> None:

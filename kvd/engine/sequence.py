@@ -14,7 +14,9 @@ class SequenceState:
     """A request's state (metadata only), filed under its session's ``seqs``
     (the session, and through it the namespace, is the owner: no back link).
 
-    - ``tokens[:length]`` are its token ids, in a growing int32 buffer.
+    - ``tokens[:length]`` are its token ids, in a growing int32 buffer;
+      ``shared`` says the buffer may be another sequence's too (a fork
+      shares its parent's): `write` copies it first.
     - ``table`` holds exactly ``ceil(length / block_size)`` blocks.
     - ``committed`` tokens are written; ``num_cached`` leading full blocks
       have been offered to the prefix cache (published, or left private as
@@ -40,6 +42,7 @@ class SequenceState:
         "reserve",
         "reserve_blocks",
         "seq_id",
+        "shared",
         "table",
         "tokens",
     )
@@ -70,17 +73,21 @@ class SequenceState:
         self.reserve_blocks = reserve_blocks
         self.cow = False
         self.out = out
+        self.shared = False
 
     def write(self, tokens: npt.NDArray[np.int32]) -> None:
-        """Append ``tokens`` to the buffer, doubling its capacity as needed."""
+        """Append ``tokens`` to the buffer, doubling its capacity as needed
+        (and copying a shared buffer first: its other owners keep theirs)."""
         start = self.length
         n = tokens.shape[0]
         end = start + n
         buf = self.tokens
-        if end > buf.shape[0]:
-            grown = np.empty(max(end, 2 * buf.shape[0], 64), dtype=np.int32)
+        if end > buf.shape[0] or self.shared:
+            size = max(end, 2 * buf.shape[0], 64) if end > buf.shape[0] else buf.shape[0]
+            grown = np.empty(size, dtype=np.int32)
             grown[:start] = buf[:start]
             self.tokens = buf = grown
+            self.shared = False
         if n == 1:
             buf[start] = tokens[0]  # a scalar store is several times cheaper than a slice
         else:

@@ -42,6 +42,19 @@ def test_a_fork_has_the_parents_tokens_and_commit_state(eng: Checked) -> None:
     assert child.committed == 6
 
 
+def test_a_fork_shares_the_token_buffer_until_either_side_writes(eng: Checked) -> None:
+    alloc(eng, "a", toks(10), reserve=20)
+    eng.fork(1, "a", "b")
+    seqs = eng._sessions[1].seqs
+    assert seqs["a"].tokens is seqs["b"].tokens
+    eng.truncate(1, "a", 6)
+    append(eng, "a", [70, 71])  # in place before the fork: now into a copy
+    append(eng, "b", [80])
+    assert seqs["a"].tokens[: seqs["a"].length].tolist() == [0, 1, 2, 3, 4, 5, 70, 71]
+    assert seqs["b"].tokens[: seqs["b"].length].tolist() == [*range(10), 80]
+    assert seqs["a"].tokens is not seqs["b"].tokens
+
+
 def test_appending_into_a_shared_partial_block_copies_it(eng: Checked) -> None:
     a = alloc(eng, "a", toks(6))
     eng.fork(1, "a", "b")

@@ -37,3 +37,12 @@ def test_check_invariants_recounts_the_references_held_in_pins_and_holds(eng: Ch
 
 def test_a_fresh_engine_satisfies_its_invariants() -> None:
     Engine(EngineConfig(num_blocks=4)).check_invariants()
+
+
+def test_check_invariants_reports_a_shared_token_buffer_not_marked_shared(eng: Checked) -> None:
+    assert isinstance(eng.allocate(1, "a", toks(5)), Allocation)
+    eng.fork(1, "a", "b")
+    raw: Engine = eng.engine
+    raw._sessions[1].seqs["b"].shared = False
+    with pytest.raises(AssertionError, match="share a token buffer not marked shared"):
+        raw.check_invariants()
