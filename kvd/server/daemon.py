@@ -86,6 +86,7 @@ from kvd.server.sdnotify import Notifier
 from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
 from kvd.server.sessions import (
     DescriptorBudget,
+    PidLookups,
     SessionTable,
     local_tcp_pid,
     parse_peer_address,
@@ -176,6 +177,7 @@ class Daemon:
         self._tcp_hellos: tuple[
             MemoryObjectSendStream[_TcpHello], MemoryObjectReceiveStream[_TcpHello]
         ] = anyio.create_memory_object_stream[_TcpHello](max_buffer_size=float("inf"))
+        self._pid_lookups = PidLookups()  # bounds what that stream holds
 
     # ------------------------------------------------------------------
     # Start
@@ -504,6 +506,7 @@ class Daemon:
             vetted |= {bytes((k,)) for k, cls in wire.REQUESTS.items() if cls.ADMIN}
         curve = self._zap is not None
         tcp_pids = curve and self.config.server.tcp_pid_watch
+        lookups = self._pid_lookups
         hello = bytes((wire.Kind.HELLO,))
         watch = self._watch
         heard, note = watch.heard, watch.note
@@ -575,6 +578,10 @@ class Daemon:
                     if peer is None and tcp_pids:
                         # tcp: its peer's pid is looked for in a worker thread first
                         # (~10 ms of /proc), then the loop has the hello handled.
+                        busy = lookups.begin(identity)
+                        if busy is not None:
+                            deliver(sock, identity, dispatcher.refuse(frames, wire.Code.BUSY, busy))
+                            continue
                         with contextlib.suppress(OSError):
                             conn = socket.socket(fileno=os.dup(fd))
                             waiting = (identity, frames, user_id, conn)
@@ -582,6 +589,7 @@ class Daemon:
                                 self._tcp_hellos[0].send_nowait, waiting, token=token
                             )
                             continue
+                        lookups.end(identity)  # no descriptor to look with: handled here
             if runs:  # a peer's messages run in order: its own long batch first
                 step(identity)
             with lock:
@@ -719,6 +727,7 @@ class Daemon:
                 if reply:  # answered (a session or a refusal): nothing more to expect
                     sessions.expect_pid(identity, None)
                 pending = dispatcher.take_pending()
+                self._pid_lookups.end(identity)
             if pid is not None:
                 log.info("tcp_peer_identified", peer_pid=pid)
             for job in pending:

@@ -435,12 +435,16 @@ class Dispatcher:
             return self._op_error(exc.code, exc.message)
 
     def refuse_shutting_down(self, frames: Sequence[bytes]) -> list[bytes]:
-        """SHUTTING_DOWN for a message still queued when the daemon stops (its id if readable)."""
+        """SHUTTING_DOWN for a message still queued when the daemon stops."""
+        return self.refuse(frames, wire.Code.SHUTTING_DOWN, "the daemon stopped")
+
+    def refuse(self, frames: Sequence[bytes], code: wire.Code, message: str) -> list[bytes]:
+        """An error reply with ``code`` to a message not handled (its id if readable)."""
         try:
             req_id: int | None = getattr(wire.decode_request(frames), "id", None)
         except wire.ProtocolError as exc:
             req_id = exc.req_id
-        return self._error(req_id, wire.Code.SHUTTING_DOWN, "the daemon stopped")
+        return self._error(req_id, code, message)
 
 
 class BatchRun:

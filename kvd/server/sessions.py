@@ -55,6 +55,7 @@ import resource
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,8 +65,10 @@ from typing import Any, Final
 __all__ = [
     "FDS_PER_SESSION",
     "FD_RESERVE",
+    "PID_LOOKUPS_MAX",
     "DescriptorBudget",
     "PeerCred",
+    "PidLookups",
     "Session",
     "SessionTable",
     "local_tcp_pid",
@@ -83,8 +86,11 @@ FDS_PER_SESSION: Final = 2
 #: Descriptors kept free of sessions: the daemon's own (log, pool files, a
 #: runtime pool's creation, metrics and events sockets, the ZAP handler's),
 #: connections accepted but not yet past their hello (each holds one), and the
-#: margin libzmq needs to accept them at all.
+#: margin libzmq needs to accept them at all, and the tcp hellos' pid lookups
+#: (`PID_LOOKUPS_MAX`, a duplicate of their connection's descriptor each).
 FD_RESERVE: Final = 64
+#: Tcp hellos waiting for their peer's pid at once (`PidLookups`).
+PID_LOOKUPS_MAX: Final = 16
 #: Largest soft limit `raise_nofile_limit` asks for when the hard one is unlimited.
 _NOFILE_FALLBACK: Final = 1 << 20
 _POLL_EXITED: Final = select.POLLIN | select.POLLHUP | select.POLLERR
@@ -259,6 +265,40 @@ def local_tcp_pid(conn: socket.socket, proc: Path = Path("/proc")) -> int | None
     tables = (str(proc / "net" / ("tcp6" if six else "tcp")),)
     inode = _socket_inode(local, remote, tables)
     return None if inode is None else _holder_of(inode, proc)
+
+
+class PidLookups:
+    """The tcp hellos whose peer's pid a worker thread is looking for, by connection.
+
+    Each holds a duplicate of its connection's descriptor and its frames until
+    answered (one at a time, ~10 ms each), so at most one per connection and
+    ``limit`` in all: a client pipelining hellos gets BUSY instead of making the
+    daemon hold descriptors without bound (libzmq aborts at the descriptor limit).
+    `begin` runs in the request thread, `end` in the event loop.
+    """
+
+    def __init__(self, limit: int = PID_LOOKUPS_MAX) -> None:
+        self.limit = limit
+        self._waiting: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def begin(self, identity: bytes) -> str | None:
+        """Count a lookup for connection ``identity``; the reason to refuse it (BUSY) instead."""
+        with self._lock:
+            if identity in self._waiting:
+                return "this connection's previous hello is still being answered"
+            if len(self._waiting) >= self.limit:
+                return f"{self.limit} tcp hellos are waiting for their peer's process; retry"
+            self._waiting.add(identity)
+        return None
+
+    def end(self, identity: bytes) -> None:
+        """The lookup for ``identity`` is over (its hello answered, or never queued)."""
+        with self._lock:
+            self._waiting.discard(identity)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
 
 # -- descriptors ------------------------------------------------------------------------

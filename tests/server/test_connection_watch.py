@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from kvd.server.sessions import local_tcp_pid
+from kvd.server.sessions import PidLookups, local_tcp_pid
 from kvd.server.transport import ConnectionWatch, ReplyQueues, anon_rss, malloc_trim
 
 MIB = 1 << 20
@@ -188,3 +188,20 @@ def test_headroom_is_what_memory_may_grow_before_the_budget() -> None:
 
 def test_no_budget_has_no_headroom() -> None:
     assert ConnectionWatch(hello_timeout_s=0, memory_budget=0).headroom(MIB) is None
+
+
+def test_pid_lookups_take_one_hello_per_connection() -> None:
+    lookups = PidLookups(limit=4)
+    assert lookups.begin(b"a") is None
+    assert lookups.begin(b"a") == "this connection's previous hello is still being answered"
+    lookups.end(b"a")
+    assert lookups.begin(b"a") is None
+
+
+def test_pid_lookups_refuse_past_their_limit_until_one_ends() -> None:
+    lookups = PidLookups(limit=2)
+    assert lookups.begin(b"a") is None and lookups.begin(b"b") is None
+    assert lookups.begin(b"c") == "2 tcp hellos are waiting for their peer's process; retry"
+    lookups.end(b"a")
+    assert lookups.begin(b"c") is None
+    assert len(lookups) == 2
