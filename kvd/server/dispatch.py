@@ -60,7 +60,7 @@ from kvd.server.info import Info
 from kvd.server.pools import PoolRefusal, Pools
 from kvd.server.security import NamespacePolicy, RateLimiter, RequestLimits
 from kvd.server.sequences import SequenceHandlers
-from kvd.server.sessions import PeerCred, SessionTable
+from kvd.server.sessions import HELLO_WAITING, PeerCred, SessionTable
 from kvd.server.tiers import PendingPromotion, Tiers
 
 __all__ = ["BATCH_SLICE_NS", "DRAIN_REFUSED", "BatchRun", "Dispatcher"]
@@ -131,6 +131,9 @@ class Dispatcher:
         self.handshake = Handshake(self.state, self.policy, self.limiter, publish)
         self.info = Info(self.state)
         self._pending: list[PendingHello] = []
+        #: Connections whose hello waits for its pool's creation (one each: more
+        #: would queue without bound while a large pool is being made).
+        self._creating: set[bytes] = set()
         self.tiers = Tiers(self.state, on_events, self.finish_promotion)
         if config.memory.runtime_pool_tier_factor or any(
             p.tier_blocks or p.remote_tier for p in config.pools
@@ -249,8 +252,11 @@ class Dispatcher:
                     refusal = self.policy.check_admin(call.principal, kind)
                     if refusal is not None:
                         raise refusal
+                if kind == _HELLO and identity in self._creating:
+                    raise RequestError(wire.Code.BUSY, HELLO_WAITING)
                 outcome = self._run_open(req, call)
                 if isinstance(outcome, PendingHello):
+                    self._creating.add(identity)
                     self._pending.append(outcome)
                     return name, ops, []
             else:
@@ -383,6 +389,7 @@ class Dispatcher:
         """
         t0 = time.perf_counter_ns()
         req_id = job.req.id
+        self._creating.discard(job.call.identity)
         if refusal is not None:
             log.warning(
                 "pool_refused", pool=job.config.name, code=str(refusal.code), reason=refusal.message

@@ -65,6 +65,7 @@ from typing import Any, Final
 __all__ = [
     "FDS_PER_SESSION",
     "FD_RESERVE",
+    "HELLO_WAITING",
     "PID_LOOKUPS_MAX",
     "DescriptorBudget",
     "PeerCred",
@@ -91,6 +92,9 @@ FDS_PER_SESSION: Final = 2
 FD_RESERVE: Final = 64
 #: Tcp hellos waiting for their peer's pid at once (`PidLookups`).
 PID_LOOKUPS_MAX: Final = 16
+#: BUSY's reason for a hello sent while the connection's previous one still waits
+#: (for its peer's pid, or for its pool's creation).
+HELLO_WAITING: Final = "this connection's previous hello is still being answered"
 #: Largest soft limit `raise_nofile_limit` asks for when the hard one is unlimited.
 _NOFILE_FALLBACK: Final = 1 << 20
 _POLL_EXITED: Final = select.POLLIN | select.POLLHUP | select.POLLERR
@@ -286,7 +290,7 @@ class PidLookups:
         """Count a lookup for connection ``identity``; the reason to refuse it (BUSY) instead."""
         with self._lock:
             if identity in self._waiting:
-                return "this connection's previous hello is still being answered"
+                return HELLO_WAITING
             if len(self._waiting) >= self.limit:
                 return f"{self.limit} tcp hellos are waiting for their peer's process; retry"
             self._waiting.add(identity)

@@ -18,7 +18,7 @@ from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
 from kvd.memory.shm import ShmSegment
 from kvd.server.dispatch import Dispatcher
-from kvd.server.pools import Pools, ServedPool
+from kvd.server.pools import PoolRefusal, Pools, ServedPool
 from kvd.server.reload import reload_config
 from kvd.server.sessions import PeerCred, SessionTable
 
@@ -192,6 +192,26 @@ def test_max_sessions_gives_busy() -> None:
         assert isinstance(harness.hello(b"A"), wire.OkReply)
     finally:
         harness.close()
+
+
+def test_a_hello_while_the_connections_pool_is_being_created_gets_busy(h: Harness) -> None:
+    layout = h.pools["default"].layout.to_dict()
+
+    def create(who: bytes) -> list[bytes]:
+        fields = {"version": wire.PROTOCOL_VERSION, "pool": "rt", "name": "t", "pid": 1}
+        req = wire.HelloRequest(id=h.nid(), create=True, layout=layout, **fields)
+        return h.d.handle(who, req.encode())
+
+    assert create(b"A") == []  # waits for the pool
+    again = wire.decode_reply(create(b"A"))
+    assert isinstance(again, wire.ErrorReply) and again.code == wire.Code.BUSY
+    assert "previous hello is still being answered" in again.msg
+    assert create(b"B") == []  # another connection may wait too
+    first, _ = h.d.take_pending()
+    refused = PoolRefusal(wire.Code.QUOTA_EXCEEDED, "no room")
+    assert wire.decode_reply(h.d.finish_hello(first, refused)).code == wire.Code.QUOTA_EXCEEDED
+    assert create(b"A") == []  # answered: its next hello is taken again
+    assert h.d.state.rpc.errors[wire.Code.BUSY] == 1
 
 
 def test_second_hello_replaces_the_session_and_frees_its_sequences(h: Harness) -> None:
