@@ -72,7 +72,6 @@ gap in the sequence numbers and asks for a replay, as with vLLM.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Literal
@@ -85,6 +84,7 @@ from kvd.log import get_logger
 
 __all__ = [
     "END_SEQ",
+    "MAX_REPLAYS",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_HOST_TIER",
@@ -135,6 +135,9 @@ _LEGACY_FIELDS: Final = {
 _FLUSH_CHUNK: Final = 256
 #: Most replay requests read per `KVEventPublisher.serve_replay` call.
 _MAX_REQUESTS_PER_CALL: Final = 64
+#: Most replays in progress at once (one per peer: a peer's new request
+#: replaces its unfinished one); a request past it is refused and counted.
+MAX_REPLAYS: Final = 64
 
 
 class EventChannel:
@@ -185,14 +188,17 @@ _CLEARED: Final = _Cleared()
 
 
 class _Replay:
-    """One replay in progress: the messages still to send to one peer."""
+    """One replay in progress: the batches ``next`` up to ``end`` (sequence
+    numbers; ``end`` the first not yet published when it was asked for) still
+    to send to one peer, read from the buffer as they are sent (a batch the
+    buffer dropped meanwhile is skipped, as if it had been dropped before)."""
 
-    __slots__ = ("batches", "envelope", "next")
+    __slots__ = ("end", "envelope", "next")
 
-    def __init__(self, envelope: list[bytes], batches: list[tuple[int, bytes, bytes]]) -> None:
+    def __init__(self, envelope: list[bytes], first: int, end: int) -> None:
         self.envelope = envelope
-        self.batches = batches
-        self.next = 0
+        self.next = first
+        self.end = end
 
 
 class KVEventPublisher:
@@ -231,9 +237,11 @@ class KVEventPublisher:
         self._buffer_bytes = 0
         self._seq = 0
         self._channels: list[EventChannel] = []
-        self._replays: collections.deque[_Replay] = collections.deque()
+        #: Replays in progress by peer (routing id), oldest first.
+        self._replays: dict[bytes, _Replay] = {}
         self._packer = msgpack.Packer()
-        self._counts = {"batches": 0, "events": 0, "replays": 0, "invalid": 0}
+        self._counts = {"batches": 0, "events": 0, "replays": 0, "replays_refused": 0, "invalid": 0}
+        self._warned_replays = False
         self._warned_invalid = False
 
         ctx = context if context is not None else zmq.Context.instance()
@@ -334,18 +342,23 @@ class KVEventPublisher:
                 break
             self._accept_replay(frames)
         sent = 0
+        buffer = self._buffer
         while self._replays and sent < budget:
-            replay = self._replays[0]
+            peer, replay = next(iter(self._replays.items()))
             try:
-                while replay.next < len(replay.batches) and sent < budget:
-                    seq, topic, payload = replay.batches[replay.next]
+                while sent < budget:
+                    oldest = buffer[0][0] if buffer else self._seq
+                    replay.next = max(replay.next, oldest)
+                    if replay.next >= replay.end:
+                        break
+                    seq, topic, payload = buffer[replay.next - oldest]
                     self._send_replay(replay.envelope, topic, seq.to_bytes(8, "big"), payload)
                     replay.next += 1
                     sent += 1
-                if replay.next == len(replay.batches) and sent < budget:
+                if replay.next >= replay.end and sent < budget:
                     self._send_replay(replay.envelope, b"", END_SEQ, b"")
                     sent += 1
-                    self._replays.popleft()
+                    del self._replays[peer]
             except zmq.Again:
                 break  # the peer's queue is full: carry on at the next call
             except zmq.ZMQError as exc:
@@ -353,7 +366,7 @@ class KVEventPublisher:
                 # replay rather than on publishing.
                 if exc.errno != zmq.EHOSTUNREACH:
                     _log.warning("kv_events_replay_failed", error=str(exc))
-                self._replays.popleft()
+                del self._replays[peer]
         return sent
 
     async def run(self, interval: float = 0.01) -> None:
@@ -415,11 +428,16 @@ class KVEventPublisher:
             self._counts["invalid"] += 1
             _log.warning("kv_events_bad_replay_request", frames=len(frames))
             return
-        first = int.from_bytes(start, "big")
-        oldest = self._buffer[0][0] if self._buffer else self._seq
-        skip = min(max(first - oldest, 0), len(self._buffer))
-        batches = list(itertools.islice(self._buffer, skip, None))
-        self._replays.append(_Replay(envelope, batches))
+        peer = frames[0]
+        # A peer's new request replaces its unfinished one (moved to the back).
+        if self._replays.pop(peer, None) is None and len(self._replays) >= MAX_REPLAYS:
+            self._counts["replays_refused"] += 1
+            if not self._warned_replays:
+                self._warned_replays = True
+                _log.warning("kv_events_replays_refused", limit=MAX_REPLAYS)
+            return
+        first = min(int.from_bytes(start, "big"), self._seq)
+        self._replays[peer] = _Replay(envelope, first, self._seq)
         self._counts["replays"] += 1
 
     def _send_replay(self, envelope: list[bytes], topic: bytes, seq: bytes, payload: bytes) -> None:

@@ -33,7 +33,7 @@ ignored; numbers are ints or floats)::
       },
       "admission": {"refusals": {"<CODE>": n}},
       "clients": {"sessions": n},
-      "events": {"batches": n, "events": n, "replays": n},   # optional: KVEventPublisher.stats()
+      "events": {"batches": n, "events": n, "replays": n, "replays_refused": n},  # optional
       "tiers": {"<pool>": {"pool": "<pool>", "tier": 1, "blocks": n, "capacity": n,
                            "bytes": n, "hits": n, "promotions": n, "demotions": n,
                            "lost": n, "evictions": n, "errors": n,
@@ -62,6 +62,7 @@ kvd_sessions                               gauge      connected client sessions
 kvd_events_total                           counter    KV events published
 kvd_event_batches_total                    counter    KV event batches published
 kvd_event_replays_total                    counter    replay requests served
+kvd_event_replays_refused_total            counter    replay requests refused (too many at once)
 kvd_tier_blocks                            gauge      pool, tier: block copies a tier holds
 kvd_tier_capacity_blocks                   gauge      pool, tier: a tier's slots
 kvd_tier_bytes                             gauge      pool, tier: bytes of the copies held
@@ -149,6 +150,11 @@ _EVENT_COUNTERS: Final = (
     ("events", "kvd_events", "KV events published."),
     ("batches", "kvd_event_batches", "KV event batches published."),
     ("replays", "kvd_event_replays", "KV event replay requests served."),
+    (
+        "replays_refused",
+        "kvd_event_replays_refused",
+        "KV event replay requests refused: as many replays were in progress as allowed.",
+    ),
 )
 
 _TIER_GAUGES: Final = (

@@ -1,6 +1,7 @@
 """kvd.server.kvevents: real SUB and DEALER sockets receive what it publishes, in vLLM's format."""
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from kvd_client.wire.hashing import BlockHasher, event_id
 from kvd.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvd.server.kvevents import (
     END_SEQ,
+    MAX_REPLAYS,
     MEDIUM_CPU,
     MEDIUM_GPU,
     MEDIUM_HOST_TIER,
@@ -519,6 +521,85 @@ def test_bad_replay_request_is_ignored_and_counted(ctx: Any) -> None:
     dealer.close()
     # The socket keeps serving good requests.
     assert _replay(pub, ctx, 0)[-1][2] == END_SEQ
+    pub.close()
+
+
+def _ask(ctx: Any, pub: KVEventPublisher, start: int) -> zmq.Socket[bytes]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(str(pub.replay_endpoint))
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    return dealer
+
+
+def _accept_all(pub: KVEventPublisher, asked: int) -> None:
+    """Read replay requests without sending, until ``asked`` were read (accepted or refused)."""
+    for _ in range(2000):
+        pub.serve_replay(budget=0)
+        stats = pub.stats()
+        if stats["replays"] + stats["replays_refused"] >= asked:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"only {pub.stats()} of {asked} replay requests read")
+
+
+def _replies(dealer: zmq.Socket[bytes], pub: KVEventPublisher) -> list[int]:
+    """The sequence numbers a peer gets until its end marker."""
+    seqs: list[int] = []
+    for _ in range(2000):
+        pub.serve_replay()
+        while dealer.poll(1):
+            seqs.append(int.from_bytes(dealer.recv_multipart()[2], "big", signed=True))
+        if seqs and seqs[-1] == -1:
+            return seqs
+    raise AssertionError(f"no end marker after {seqs}")
+
+
+def test_a_peers_new_replay_request_replaces_its_unfinished_one(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel(clear=False)
+    for _ in range(4):
+        channel.append_cleared()
+        pub.flush()
+    dealer = _ask(ctx, pub, 0)
+    dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+    _accept_all(pub, 2)
+    assert _replies(dealer, pub) == [2, 3, -1]
+    assert not dealer.poll(20)
+    dealer.close()
+    pub.close()
+
+
+def test_replays_past_the_limit_are_refused_and_counted(ctx: Any) -> None:
+    pub = _publisher(ctx)
+    channel = pub.channel(clear=False)
+    channel.append_cleared()
+    pub.flush()
+    dealers = [_ask(ctx, pub, 0) for _ in range(MAX_REPLAYS + 1)]
+    _accept_all(pub, MAX_REPLAYS + 1)
+    assert (pub.stats()["replays"], pub.stats()["replays_refused"]) == (MAX_REPLAYS, 1)
+    answered = 0
+    for dealer in dealers:
+        pub.serve_replay()
+        if dealer.poll(200):
+            answered += 1
+        dealer.close()
+    assert answered == MAX_REPLAYS
+    pub.close()
+
+
+def test_a_replay_holds_no_batch_the_buffer_dropped(ctx: Any) -> None:
+    pub = _publisher(ctx, buffer=4)
+    channel = pub.channel(clear=False)
+    for _ in range(4):
+        channel.append_cleared()
+        pub.flush()
+    dealer = _ask(ctx, pub, 0)
+    _accept_all(pub, 1)
+    for _ in range(3):  # batches 0..2 leave the buffer before they are sent
+        channel.append_cleared()
+        pub.flush()
+    assert _replies(dealer, pub) == [3, -1]  # and nothing published after the request
+    dealer.close()
     pub.close()
 
 

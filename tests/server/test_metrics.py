@@ -113,12 +113,13 @@ def test_event_counters_only_when_the_section_exists(serve: Any) -> None:
     assert not any(name.startswith("kvd_event") for name, _ in _scrape(serve(_snapshot)))
 
     def with_events() -> dict[str, Any]:
-        return {"events": {"events": 40, "batches": 6, "replays": 2}}
+        return {"events": {"events": 40, "batches": 6, "replays": 2, "replays_refused": 1}}
 
     samples = _scrape(serve(with_events))
     assert samples[("kvd_events_total", ())] == 40
     assert samples[("kvd_event_batches_total", ())] == 6
     assert samples[("kvd_event_replays_total", ())] == 2
+    assert samples[("kvd_event_replays_refused_total", ())] == 1
 
 
 def test_each_scrape_reads_one_fresh_snapshot(serve: Any) -> None:
