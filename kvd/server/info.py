@@ -7,12 +7,17 @@ Admin kinds (STATS, CHECK, FLUSH, CLIENTS, POOLS, PING) need no session.
 is sent only when a STATS request names it. The CLIENTS listing stops at
 `CLIENTS_LISTED` sessions (oldest first) and says how many there are: its
 reply stays bounded however many sessions the daemon serves (issue #14).
+A CHECK holds the request thread while it recounts every block (~1 µs a
+block: 1 s for a 1M-block pool), so the next one may start only
+`CHECK_SPACING` times that long after it ended (RATE_LIMITED before): however
+often they are sent, checks take at most 1/21 of the request thread.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
@@ -28,10 +33,12 @@ from kvd.errors import RequestError
 from kvd.server.context import Call, Outcome, ServerState
 from kvd.server.freezer import gc_stats
 
-__all__ = ["CLIENTS_LISTED", "Info"]
+__all__ = ["CHECK_SPACING", "CLIENTS_LISTED", "Info"]
 
 #: Most sessions one CLIENTS reply lists (~250 bytes each).
 CLIENTS_LISTED: Final = 1024
+#: After a CHECK that ran t seconds, no other starts for CHECK_SPACING * t seconds.
+CHECK_SPACING: Final = 20
 
 log = structlog.get_logger("kvd.server")
 
@@ -64,17 +71,31 @@ class Info:
         self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
         #: Each pool's pressure level at the last notice.
         self._pressure: dict[str, int] = {}
+        #: When (monotonic) the next CHECK may start, and how long the last one ran.
+        self._check_after = 0.0
+        self._check_took = 0.0
 
     def ping(self, req: wire.PingRequest, call: Call) -> Outcome:
         return {"epoch": self.state.epoch, "version": wire.PROTOCOL_VERSION}
 
     def check(self, req: wire.CheckRequest, call: Call) -> Outcome:
+        wait = self._check_after - time.monotonic()
+        if wait > 0:
+            raise RequestError(
+                wire.Code.RATE_LIMITED,
+                f"the last check held every request for {self._check_took * 1e3:.0f} ms; "
+                f"the next may run in {wait * 1e3:.0f} ms",
+            )
+        t0 = time.monotonic()
         problems: list[str] = []
         for pool in self.state.pools:
             try:
                 pool.engine.check_invariants()
             except InvariantError as exc:
                 problems.extend(f"{pool.name}: {p}" for p in exc.problems)
+        end = time.monotonic()
+        self._check_took = end - t0
+        self._check_after = end + CHECK_SPACING * self._check_took
         if problems:
             log.error("invariants_violated", problems=problems)
         return wire.CheckResult(ok=not problems, problems=problems)

@@ -17,6 +17,7 @@ from kvd_client.wire import hashing
 from kvd.config import Config, load_config
 from kvd.engine import Engine, EngineConfig
 from kvd.memory.shm import ShmSegment
+from kvd.server import info
 from kvd.server.dispatch import Dispatcher
 from kvd.server.pools import PoolRefusal, Pools, ServedPool
 from kvd.server.reload import reload_config
@@ -519,6 +520,20 @@ def test_check_passes(h: Harness) -> None:
     h.hello()
     h.ok(wire.AllocateRequest(id=1, seq="s", tokens=toks(40)))
     assert h.ok(wire.CheckRequest(id=2)) == {"ok": True, "problems": []}
+
+
+def test_a_check_waits_twenty_times_the_last_ones_run(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = iter([100.0, 100.0, 101.0, 110.0, 121.5, 121.5, 121.6])  # the clock at each read
+    monkeypatch.setattr(info.time, "monotonic", lambda: next(now))
+    assert h.ok(wire.CheckRequest(id=h.nid()))["ok"] is True  # ran 1 s: none until 121
+    early = h.err(wire.CheckRequest(id=h.nid()))
+    assert early.code == wire.Code.RATE_LIMITED
+    assert (
+        early.msg == "the last check held every request for 1000 ms; the next may run in 11000 ms"
+    )
+    assert h.ok(wire.CheckRequest(id=h.nid()))["ok"] is True
 
 
 def test_flush_drops_cached_blocks(h: Harness) -> None:
