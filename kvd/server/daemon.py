@@ -500,10 +500,13 @@ class Daemon:
         recv = zmq.backend.Socket.recv
         noblock = _NOBLOCK
         # Kinds whose connection's identity matters: HELLO (namespace policy, pid
-        # watch) and, once security.admins is set, the admin kinds.
+        # watch) and, once security.admins is set, the admin kinds (else FLUSH
+        # under enforced namespaces).
         vetted = {bytes((wire.Kind.HELLO,))}
         if dispatcher.policy.admins:
             vetted |= {bytes((k,)) for k, cls in wire.REQUESTS.items() if cls.ADMIN}
+        elif dispatcher.policy.enforce:  # a tenant flushes only its own namespaces
+            vetted.add(bytes((wire.Kind.FLUSH,)))
         curve = self._zap is not None
         tcp_pids = curve and self.config.server.tcp_pid_watch
         lookups = self._pid_lookups

@@ -89,6 +89,7 @@ _SLICE_MIN_OPS: Final = 16
 _KIND_NAMES: Final = {kind: kind.name for kind in wire.Kind}
 # Plain ints: an enum member's attribute lookup costs more than the dict lookup it feeds.
 _HELLO: Final = int(wire.Kind.HELLO)
+_FLUSH: Final = int(wire.Kind.FLUSH)
 _BATCH: Final = int(wire.Kind.BATCH)
 #: Extra frames of a result without token fields (never appended to).
 _NO_FRAMES: Final[list[bytes]] = []
@@ -250,6 +251,11 @@ class Dispatcher:
                 call = Call(identity, peer, frames[2:], user_id)
                 if req.ADMIN and self.policy.admins:
                     refusal = self.policy.check_admin(call.principal, kind)
+                    if refusal is not None:
+                        raise refusal
+                elif kind == _FLUSH:
+                    namespace = typing.cast(wire.FlushRequest, req).namespace
+                    refusal = self.policy.check_flush(call.principal, namespace)
                     if refusal is not None:
                         raise refusal
                 if kind == _HELLO and identity in self._creating:

@@ -217,6 +217,20 @@ class NamespacePolicy:
             "(see the daemon's security.namespaces)",
         )
 
+    def check_flush(self, principal: Principal, namespace: str | None) -> RequestError | None:
+        """With namespaces enforced and no ``admins`` named (who else could flush),
+        FORBIDDEN unless the FLUSH names a namespace ``principal`` may open: one
+        tenant must not drop another's cache."""
+        if not self.enforce or self.admins:
+            return None
+        if namespace is None:
+            return RequestError(
+                wire.Code.FORBIDDEN,
+                f"{principal} may flush only a namespace it may open; name one "
+                "(or list operators in security.admins)",
+            )
+        return self.check_namespace(principal, namespace)
+
     def check_admin(self, principal: Principal, kind: wire.Kind) -> RequestError | None:
         """None when ``principal`` may send admin request ``kind``, else FORBIDDEN."""
         if not self.admins or kind == wire.Kind.PING:

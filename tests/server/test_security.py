@@ -145,6 +145,18 @@ def test_admin_kinds_need_an_admin_once_admins_are_set() -> None:
     assert policy.check_admin(BOB, wire.Kind.PING) is None  # liveness stays open
 
 
+def test_with_namespaces_enforced_and_no_admins_a_flush_names_an_allowed_namespace() -> None:
+    policy = NamespacePolicy.from_config({"uid:1000": ["tenant-a"]}, enforce=True)
+    assert policy.check_flush(ALICE, "tenant-a") is None
+    for namespace in ("tenant-b", None):
+        denial = policy.check_flush(ALICE, namespace)
+        assert denial is not None and denial.code == wire.Code.FORBIDDEN
+    assert NamespacePolicy.from_config({}, enforce=False).check_flush(BOB, None) is None
+    # With operators named, check_admin decides who flushes (anything).
+    admins = NamespacePolicy.from_config({}, enforce=True, admins=["uid:1001"])
+    assert admins.check_flush(BOB, None) is None
+
+
 # --------------------------------------------------------------------------
 # Rate limit
 
@@ -471,6 +483,23 @@ def test_a_hello_outside_the_namespace_rules_is_forbidden_over_ipc(start_kvd) ->
     assert daemon.stats()["clients"]["sessions"] == 0
     with _connect(daemon.address, namespace="mine-1") as kv:
         assert kv.session_id > 0
+
+
+def test_a_tenant_cannot_flush_another_namespace(start_kvd) -> None:
+    rules = f'{{"uid:{os.getuid()}" = ["mine*"]}}'
+    daemon = start_kvd(
+        overrides={"security.enforce_namespaces": "true", "security.namespaces": rules}
+    )
+    with _connect(daemon.address, namespace="mine-1") as kv:
+        kv.allocate("s", _tokens(32)).commit()
+        for namespace in ("other", None):
+            reply = daemon.call(wire.FlushRequest(id=1, namespace=namespace))
+            assert isinstance(reply, wire.ErrorReply) and reply.code == wire.Code.FORBIDDEN
+        keys = kv.block_keys(_tokens(32))
+        assert kv.lookup(keys).cached == 2  # nothing was flushed
+        reply = daemon.call(wire.FlushRequest(id=2, namespace="mine-1"))
+        assert isinstance(reply, wire.OkReply)
+        assert kv.lookup(keys).cached == 0
 
 
 def test_admin_requests_need_an_admin_once_admins_are_set(start_kvd) -> None:
