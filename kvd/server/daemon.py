@@ -52,10 +52,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
 import secrets
 import signal
-import socket
 import threading
 import time
 import typing
@@ -86,12 +84,11 @@ from kvd.server.sdnotify import Notifier
 from kvd.server.security import ZapHandler, load_client_keys, load_server_keys
 from kvd.server.sessions import (
     DescriptorBudget,
-    PidLookups,
     SessionTable,
-    local_tcp_pid,
     parse_peer_address,
     raise_nofile_limit,
 )
+from kvd.server.tcp_hellos import TcpHellos
 
 __all__ = ["Daemon"]
 
@@ -103,9 +100,6 @@ _NOBLOCK: Final = int(zmq.NOBLOCK)
 _COPY_BODY_MAX: Final = 64 * 1024
 #: Engine events move to the channels every 2 ms while they flow, up to 64 ms apart idle.
 _EVENTS_INTERVAL, _EVENTS_IDLE = 0.002, 0.064
-
-#: A tcp hello waiting for its peer's pid: identity, frames, CURVE user id, connection (a dup).
-_TcpHello = tuple[bytes, list[bytes], str | None, socket.socket]
 
 
 class Daemon:
@@ -174,10 +168,8 @@ class Daemon:
         self._replies = transport.ReplyQueues(server.max_queued_reply_bytes)
         #: Messages the request thread took (the loop trims memory when it stands still).
         self._handled = 0
-        self._tcp_hellos: tuple[
-            MemoryObjectSendStream[_TcpHello], MemoryObjectReceiveStream[_TcpHello]
-        ] = anyio.create_memory_object_stream[_TcpHello](max_buffer_size=float("inf"))
-        self._pid_lookups = PidLookups()  # bounds what that stream holds
+        #: Tcp hellos waiting for their peer's pid (None: no tcp endpoint, or no pid watch).
+        self._tcp_hellos: TcpHellos | None = None
 
     # ------------------------------------------------------------------
     # Start
@@ -306,6 +298,8 @@ class Daemon:
                 self.dispatcher.info.sections["events"] = publisher.stats
             if self._zap is not None:
                 self.dispatcher.info.sections["security"] = self._zap.stats
+                if cfg.server.tcp_pid_watch:
+                    self._tcp_hellos = TcpHellos(self.dispatcher, self._lock)
             self.dispatcher.info.sections["transport"] = functools.partial(
                 transport.transport_stats, self._watch, self._replies
             )
@@ -362,9 +356,8 @@ class Daemon:
                 self._nudge,
                 self.config.server.hello_timeout_ms,
             )
-            if self._zap is not None and self.config.server.tcp_pid_watch:
-                # A tcp endpoint: its hellos wait for their peer's pid.
-                tg.start_soon(self._tcp_hello_pids, self._tcp_hellos[1])
+            if self._tcp_hellos is not None:  # a tcp endpoint: its hellos wait for a pid
+                tg.start_soon(self._tcp_hellos.serve, self._send, self._pending[0].send_nowait)
             tg.start_soon(self._create_runtime_pools, self._pending[1])
             if self._zap is not None:
                 tg.start_soon(self._zap.serve)
@@ -508,8 +501,7 @@ class Daemon:
         elif dispatcher.policy.enforce:  # a tenant flushes only its own namespaces
             vetted.add(bytes((wire.Kind.FLUSH,)))
         curve = self._zap is not None
-        tcp_pids = curve and self.config.server.tcp_pid_watch
-        lookups = self._pid_lookups
+        tcp_hellos = self._tcp_hellos
         hello = bytes((wire.Kind.HELLO,))
         watch = self._watch
         heard, note = watch.heard, watch.note
@@ -578,21 +570,13 @@ class Daemon:
                         user_id = str(ident.get("User-Id")) or None
                 if frames[0] == hello:
                     seen.hello = True
-                    if peer is None and tcp_pids:
-                        # tcp: its peer's pid is looked for in a worker thread first
-                        # (~10 ms of /proc), then the loop has the hello handled.
-                        busy = lookups.begin(identity)
-                        if busy is not None:
-                            deliver(sock, identity, dispatcher.refuse(frames, wire.Code.BUSY, busy))
+                    if peer is None and tcp_hellos is not None:
+                        # tcp: its peer's pid is found first (tcp_hellos.py).
+                        busy = tcp_hellos.offer(identity, frames, user_id, fd, token)
+                        if busy is not None:  # queued ([]) or refused
+                            if busy:
+                                deliver(sock, identity, busy)
                             continue
-                        with contextlib.suppress(OSError):
-                            conn = socket.socket(fileno=os.dup(fd))
-                            waiting = (identity, frames, user_id, conn)
-                            anyio.from_thread.run_sync(
-                                self._tcp_hellos[0].send_nowait, waiting, token=token
-                            )
-                            continue
-                        lookups.end(identity)  # no descriptor to look with: handled here
             if runs:  # a peer's messages run in order: its own long batch first
                 step(identity)
             with lock:
@@ -713,30 +697,6 @@ class Daemon:
                 notices = dispatcher.info.pressure_notices()
             for identity, frames in notices:
                 self._send(identity, frames)
-
-    async def _tcp_hello_pids(self, jobs: MemoryObjectReceiveStream[_TcpHello]) -> None:
-        """Find each tcp hello's peer pid (worker thread), then have the hello handled."""
-        dispatcher = self.dispatcher
-        assert dispatcher is not None
-        sessions = dispatcher.state.sessions
-        async for identity, frames, user_id, conn in jobs:
-            try:
-                pid = await anyio.to_thread.run_sync(local_tcp_pid, conn)
-            finally:
-                conn.close()
-            with self._lock:
-                sessions.expect_pid(identity, pid)
-                reply = dispatcher.handle(identity, frames, None, user_id)
-                if reply:  # answered (a session or a refusal): nothing more to expect
-                    sessions.expect_pid(identity, None)
-                pending = dispatcher.take_pending()
-                self._pid_lookups.end(identity)
-            if pid is not None:
-                log.info("tcp_peer_identified", peer_pid=pid)
-            for job in pending:
-                self._pending[0].send_nowait(job)
-            if reply:
-                self._send(identity, reply)
 
     async def _move_events(self) -> None:
         """Hand the engines' events to their channels (the publisher is the loop's)."""
