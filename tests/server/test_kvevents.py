@@ -524,6 +524,20 @@ def test_bad_replay_request_is_ignored_and_counted(ctx: Any) -> None:
     pub.close()
 
 
+def _published(ctx: Any, batches: int, **kw: Any) -> tuple[KVEventPublisher, EventChannel]:
+    """A publisher that has published ``batches`` batches (sequence numbers 0 on)."""
+    pub = _publisher(ctx, **kw)
+    channel = pub.channel(clear=False)
+    _publish(pub, channel, batches)
+    return pub, channel
+
+
+def _publish(pub: KVEventPublisher, channel: EventChannel, batches: int) -> None:
+    for _ in range(batches):
+        channel.append_cleared()
+        pub.flush()
+
+
 def _ask(ctx: Any, pub: KVEventPublisher, start: int) -> zmq.Socket[bytes]:
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(str(pub.replay_endpoint))
@@ -555,11 +569,7 @@ def _replies(dealer: zmq.Socket[bytes], pub: KVEventPublisher) -> list[int]:
 
 
 def test_a_peers_new_replay_request_replaces_its_unfinished_one(ctx: Any) -> None:
-    pub = _publisher(ctx)
-    channel = pub.channel(clear=False)
-    for _ in range(4):
-        channel.append_cleared()
-        pub.flush()
+    pub, _ = _published(ctx, 4)
     dealer = _ask(ctx, pub, 0)
     dealer.send_multipart([b"", (2).to_bytes(8, "big")])
     _accept_all(pub, 2)
@@ -570,10 +580,7 @@ def test_a_peers_new_replay_request_replaces_its_unfinished_one(ctx: Any) -> Non
 
 
 def test_replays_past_the_limit_are_refused_and_counted(ctx: Any) -> None:
-    pub = _publisher(ctx)
-    channel = pub.channel(clear=False)
-    channel.append_cleared()
-    pub.flush()
+    pub, _ = _published(ctx, 1)
     dealers = [_ask(ctx, pub, 0) for _ in range(MAX_REPLAYS + 1)]
     _accept_all(pub, MAX_REPLAYS + 1)
     assert (pub.stats()["replays"], pub.stats()["replays_refused"]) == (MAX_REPLAYS, 1)
@@ -588,16 +595,10 @@ def test_replays_past_the_limit_are_refused_and_counted(ctx: Any) -> None:
 
 
 def test_a_replay_holds_no_batch_the_buffer_dropped(ctx: Any) -> None:
-    pub = _publisher(ctx, buffer=4)
-    channel = pub.channel(clear=False)
-    for _ in range(4):
-        channel.append_cleared()
-        pub.flush()
+    pub, channel = _published(ctx, 4, buffer=4)
     dealer = _ask(ctx, pub, 0)
     _accept_all(pub, 1)
-    for _ in range(3):  # batches 0..2 leave the buffer before they are sent
-        channel.append_cleared()
-        pub.flush()
+    _publish(pub, channel, 3)  # batches 0..2 leave the buffer before they are sent
     assert _replies(dealer, pub) == [3, -1]  # and nothing published after the request
     dealer.close()
     pub.close()
