@@ -26,6 +26,7 @@ __all__ = [
     "HoldState",
     "NamespaceAccount",
     "SessionAccount",
+    "pin_refs",
     "unmet_minimums",
 ]
 
@@ -78,8 +79,8 @@ class SessionAccount(Account):
     ``pending`` holds the sources of copies named in the session's last
     reply: each keeps one ref (and one block of usage) until the session's
     next engine call, by which time the client has copied from it. ``held``
-    counts the block references in its pins (an empty pin counts one) and
-    holds (`Accounts.over_held`)."""
+    counts the block references in its pins (`pin_refs`) and holds
+    (`Accounts.over_held`)."""
 
     __slots__ = ("adapter", "held", "holds", "namespace", "pending", "pins", "seqs", "sid")
 
@@ -123,6 +124,12 @@ class HoldState:
         self.blocks = {b.block_id: b for b in blocks}
         #: Ids of blocks granted fresh and not yet published (the only publishable ones).
         self.granted = set(self.blocks) if granted else set()
+
+
+def pin_refs(blocks: list[Block]) -> int:
+    """What a pin of ``blocks`` counts in `SessionAccount.held`: its blocks, and
+    one for an empty pin (a record all the same)."""
+    return len(blocks) or 1
 
 
 def unmet_minimums(namespaces: Iterable[NamespaceAccount], requester: SessionAccount) -> int:

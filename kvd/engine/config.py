@@ -37,9 +37,8 @@ class EngineConfig:
     remote tier below a host one (a chain, `kvd.engine.tier.chain`; 0: none).
     ``max_held_per_session``: block references one session may have in its
     holds and pins together (a block held twice counts twice, an empty pin
-    one; 0: no limit);
-    each costs the daemon's heap, and nothing else bounds repeated holds of
-    the same cached blocks.
+    one; 0: no limit): each costs the daemon's heap, and nothing else bounds
+    repeated holds of the same cached blocks.
     """
 
     num_blocks: int

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from kvd_client.wire.hashing import BlockHasher
 
-from kvd.engine.accounts import Accounts, SessionAccount
+from kvd.engine.accounts import Accounts, SessionAccount, pin_refs
 from kvd.engine.adaptive import AdaptivePool
 from kvd.engine.block import Block, idle, ids
 from kvd.engine.checks import TokensLike, as_tokens, count, sequence_id
@@ -568,8 +568,7 @@ class Engine:
                 break
             blocks.append(block)
         accounts = self._accounts
-        # An empty pin is a record too: it counts as one reference.
-        refs = len(blocks) or 1
+        refs = pin_refs(blocks)
         refusal = accounts.over_held(sess, refs) or accounts.admit(sess, len(blocks), 0, False)
         if refusal is not None:
             return refusal
@@ -598,7 +597,7 @@ class Engine:
             else:
                 del pins[block]
         self._pool.release(reversed(blocks))
-        sess.held -= len(blocks) or 1
+        sess.held -= pin_refs(blocks)
         self._accounts.charge(sess, -len(blocks), 0)
 
     # ------------------------------------------------------------------

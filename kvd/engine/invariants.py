@@ -7,7 +7,7 @@ lists everything that is wrong.
 
 from __future__ import annotations
 
-from kvd.engine.accounts import Accounts, HoldState, SessionAccount
+from kvd.engine.accounts import Accounts, HoldState, SessionAccount, pin_refs
 from kvd.engine.block import Block
 from kvd.engine.errors import InvariantError
 from kvd.engine.pool import BlockPool
@@ -140,7 +140,7 @@ def _session_problems(
             if bid not in hold.blocks or hold.blocks[bid].key is not None:
                 problems.append(f"session {sid} hold {hold_id}: granted block {bid} not unkeyed")
         usage += len(hold.blocks)
-    held = sum(len(p) or 1 for p in sess.pins.values())
+    held = sum(map(pin_refs, sess.pins.values()))
     held += sum(len(h.blocks) for h in sess.holds.values())
     if held != sess.held:
         problems.append(f"session {sid}: {sess.held} block references held, recomputed {held}")

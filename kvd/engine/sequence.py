@@ -82,9 +82,9 @@ class SequenceState:
         n = tokens.shape[0]
         end = start + n
         buf = self.tokens
-        if end > buf.shape[0] or self.shared:
-            size = max(end, 2 * buf.shape[0], 64) if end > buf.shape[0] else buf.shape[0]
-            grown = np.empty(size, dtype=np.int32)
+        capacity = buf.shape[0]
+        if end > capacity or self.shared:
+            grown = np.empty(max(end, 2 * capacity, 64) if end > capacity else capacity, np.int32)
             grown[:start] = buf[:start]
             self.tokens = buf = grown
             self.shared = False
